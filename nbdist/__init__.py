@@ -1,0 +1,58 @@
+"""nbdist: run a notebook cell on N distributed ranks.
+
+In a notebook::
+
+    %load_ext nbdist
+
+    %%distributed -np 2
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    dist.get_rank()
+
+From Python: ``nbdist.run(fn, *args, np=2).result()``. On a rank: ``nbdist.progress`` and
+``nbdist.report``. This module is imported on every rank, so it stays light: the engine and
+the magics load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
+from nbdist.runtime import progress, report
+
+if TYPE_CHECKING:
+    from nbdist.job import Job
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError",
+    "CaptureError",
+    "DistributedError",
+    "LaunchError",
+    "NbdistError",
+    "load_ipython_extension",
+    "progress",
+    "report",
+    "run",
+    "unload_ipython_extension",
+]
+
+
+def run(fn: Any, *args: Any, **kwargs: Any) -> Job:
+    """Run ``fn`` on N ranks; see :func:`nbdist.job.run` for the parameters."""
+    from nbdist.job import run as _run
+
+    return _run(fn, *args, **kwargs)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbdist``: register ``%%distributed``, ``%dist_status``, ``%dist_cancel``."""
+    from nbdist.magics import DistMagics
+
+    ipython.register_magics(DistMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """``%unload_ext nbdist``: nothing to undo beyond what IPython does itself."""

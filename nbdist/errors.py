@@ -1,0 +1,87 @@
+"""nbdist's exceptions.
+
+The tree::
+
+    Exception
+     ├── NbdistError            nbdist itself could not do what was asked
+     │    ├── CaptureError      a name the cell uses cannot be shipped to the ranks
+     │    ├── CapacityError     more ranks than the backend can run at once
+     │    └── LaunchError       a backend could not start the ranks
+     └── RuntimeError
+          └── DistributedError  one or more ranks failed, timed out or were cancelled
+
+Bad user input to a magic is IPython's own ``UsageError``, raised by ``magics.py``.
+This module is imported on ranks: standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+#: How many lines of a remote traceback IPython shows per failed rank before eliding the middle.
+_MAX_TB_LINES = 60
+
+
+class NbdistError(Exception):
+    """nbdist could not do what was asked (not a failure of the user's code on a rank)."""
+
+
+class CaptureError(NbdistError):
+    """A name the cell uses cannot be shipped to the ranks."""
+
+
+class CapacityError(NbdistError):
+    """More ranks were asked for than the backend can run at the same time."""
+
+
+class LaunchError(NbdistError):
+    """A backend could not start the ranks."""
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks of a distributed job failed, timed out or were cancelled.
+
+    Attributes
+    ----------
+    job_id : str
+        The job that failed.
+    reason : str
+        ``"failed"``, ``"timeout"`` or ``"cancelled"``.
+    failures : dict[int, str]
+        Rank → remote traceback (or the exit status and last output lines) of every rank that
+        failed on its own; ranks that nbdist tore down afterwards are not in it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        job_id: str = "",
+        reason: str = "failed",
+        failures: Mapping[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+        self.reason = reason
+        self.failures: dict[int, str] = dict(failures or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (str(self), self.job_id, self.reason, self.failures))
+
+    def _render_traceback_(self) -> list[str]:
+        """Let IPython show the ranks' tracebacks instead of nbdist's own frames."""
+        lines = [f"DistributedError: {self}"]
+        for rank, text in sorted(self.failures.items()):
+            body = text.rstrip("\n").splitlines()
+            if len(body) > _MAX_TB_LINES:
+                half = _MAX_TB_LINES // 2
+                cut = len(body) - 2 * half
+                body = [*body[:half], f"    ... {cut} lines elided ...", *body[-half:]]
+            lines.append("")
+            lines.append(f"--- rank {rank} " + "-" * 60)
+            lines.extend(body)
+        return lines
+
+
+def _rebuild(message: str, job_id: str, reason: str, failures: dict[int, str]) -> DistributedError:
+    return DistributedError(message, job_id=job_id, reason=reason, failures=failures)

@@ -1,0 +1,397 @@
+"""One job's life: choose the backend, register with the event server, launch, do the
+rendezvous, wait, cancel, gather results and failures.
+
+How ranks start is the launcher's business (``nbdist.launch``); how the job is shown is the
+views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) up to date.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from nbdist import events, state
+from nbdist.errors import DistributedError, LaunchError
+from nbdist.launch import Launcher, LaunchRequest
+from nbdist.rank import RankOutcome
+from nbdist.world import Hello, plan_world
+
+#: Finished jobs kept for %dist_status; older ones are forgotten.
+HISTORY = 50
+#: How long a cancel may take before the job is declared over anyway.
+TEARDOWN_S = 15.0
+
+_ids = itertools.count(1)
+_jobs: OrderedDict[str, Job] = OrderedDict()
+_jobs_lock = threading.Lock()
+
+
+def jobs() -> list[Job]:
+    """This kernel's jobs, oldest first (the last ``HISTORY`` of them)."""
+    with _jobs_lock:
+        return list(_jobs.values())
+
+
+def get_job(job_id: str | None = None) -> Job | None:
+    """A job by id; without an id the newest job still running, else the newest."""
+    all_jobs = jobs()
+    if job_id is not None:
+        return next((j for j in all_jobs if j.id == job_id), None)
+    running = [j for j in all_jobs if not j.done()]
+    candidates = running or all_jobs
+    return candidates[-1] if candidates else None
+
+
+def choose_launcher(np: int, backend: str = "auto") -> tuple[Launcher, int]:
+    """The launcher for ``np`` (negative: local even with Spark active) and the rank count."""
+    if np == 0:
+        raise ValueError("np must be a non-zero integer: N ranks, or -N for N local ranks")
+    if backend not in ("auto", "local", "spark"):
+        raise ValueError(f"unknown backend {backend!r}: use auto, local or spark")
+    if backend == "spark" or (backend == "auto" and np > 0 and _spark_session() is not None):
+        if np < 0:
+            raise ValueError("-np -N means local ranks; it cannot go with --backend spark")
+        from nbdist.launch.spark import SparkLauncher
+
+        return SparkLauncher(), np
+    from nbdist.launch.local import LocalLauncher
+
+    return LocalLauncher(), abs(np)
+
+
+def _spark_session() -> Any:
+    import sys
+
+    if "pyspark" not in sys.modules:  # never import Spark just to find out it is not used
+        return None
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        return None
+    return SparkSession.getActiveSession()
+
+
+def default_gpu(launcher: Launcher) -> bool:
+    return launcher.capacity().gpus > 0
+
+
+class Job:
+    """A distributed job: ``np`` ranks running one payload.
+
+    Use :meth:`result` for rank 0's value, :attr:`results` for every rank's, :meth:`cancel`
+    to stop it. ``state`` is the live :class:`nbdist.state.JobState` that views render.
+    """
+
+    def __init__(
+        self,
+        payload: dict[str, Any],
+        np: int,
+        launcher: Launcher,
+        *,
+        gpu: bool | None = None,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        label: str = "",
+    ) -> None:
+        self.id = f"j{next(_ids)}"
+        self.label = label
+        self.np = np
+        self.launcher = launcher
+        self.gpu = default_gpu(launcher) if gpu is None else gpu
+        self.timeout = timeout
+        self.state = state.JobState(self.id, launcher.name, np)
+        self.run_id = secrets.token_hex(8)
+        self._secret = events.new_secret()
+        self._env = dict(env or {})
+        self._hellos: dict[int, Hello] = {}
+        self._outcomes: dict[int, RankOutcome] = {}
+        self._first_failure: int | None = None
+        self._cancel_reason: str | None = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._results: list[Any] = []
+        self._error: BaseException | None = None
+        self._started = time.monotonic()
+
+        launcher.check(np, self.gpu)
+        body = cloudpickle.dumps(payload)
+        self._server = events.shared_server(launcher.driver_host())
+        self._server.add_job(self.id, self._secret, self)
+        with _jobs_lock:
+            _jobs[self.id] = self
+            while len(_jobs) > HISTORY:
+                _jobs.popitem(last=False)
+        request = LaunchRequest(
+            job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
+            payload=body, gpu=self.gpu, env=self._env,
+        )
+        try:
+            launcher.start(request, self._on_outcome)
+        except BaseException:
+            self._server.remove_job(self.id)
+            raise
+        if timeout is not None:
+            timer = threading.Timer(timeout, self._on_timeout)
+            timer.daemon = True
+            timer.start()
+            self._timer: threading.Timer | None = timer
+        else:
+            self._timer = None
+
+    # -- the event channel (called on the server's thread) -------------------------------------
+    def on_connect(self, rank: int, hello: events.Event) -> None:
+        gpus = tuple(str(g) for g in hello.get("gpus") or ())
+        port = hello.get("port")
+        h = Hello(
+            rank=rank, host=str(hello.get("host")), port=port if isinstance(port, int) else None,
+            gpus=gpus, cpus=int(hello.get("cpus") or 1),
+        )
+        self.state.apply(rank, {"t": "hello", "host": h.host, "gpus": list(gpus)})
+        with self._lock:
+            self._hellos[rank] = h
+            if len(self._hellos) < self.np:
+                return
+            hellos = dict(self._hellos)
+        try:
+            envs = plan_world(
+                hellos, self.np, self.run_id, self.id, use_gpus=self.gpu, user_env=self._env
+            )
+        except ValueError as exc:
+            self._fail_all(f"the rendezvous failed: {exc}")
+            return
+        for rank_, env in envs.items():
+            self._server.send(self.id, rank_, {"t": "world", "env": env})
+
+    def on_event(self, rank: int, event: events.Event) -> None:
+        self.state.apply(rank, event)
+
+    def on_disconnect(self, rank: int) -> None:
+        pass
+
+    # -- outcomes ---------------------------------------------------------------------------
+    def _on_outcome(self, outcome: RankOutcome) -> None:
+        self.state.set_rank(outcome.rank, outcome.status, outcome.exit_code)
+        with self._lock:
+            self._outcomes[outcome.rank] = outcome
+            first = outcome.status == "failed" and self._first_failure is None
+            if first:
+                self._first_failure = outcome.rank
+            complete = len(self._outcomes) == self.np
+        if first and not complete:
+            self._cancel(f"rank {outcome.rank} failed")
+        if complete:
+            self._finish()
+
+    def _fail_all(self, reason: str) -> None:
+        self._cancel(reason)
+
+    def _on_timeout(self) -> None:
+        if not self._done.is_set():
+            self._cancel(f"timed out after {self.timeout:g} s", timeout=True)
+
+    def _cancel(self, reason: str, *, timeout: bool = False) -> None:
+        with self._lock:
+            if self._cancel_reason is not None:
+                return
+            self._cancel_reason = reason
+            self._timed_out = timeout
+            self._running_at_cancel = [
+                r for r in range(self.np) if r not in self._outcomes
+            ]
+        for rank in range(self.np):
+            self._server.send(self.id, rank, {"t": "cancel", "reason": reason})
+        self.launcher.cancel()
+
+    def _finish(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._server.remove_job(self.id)
+        outcomes = [self._outcomes[r] for r in range(self.np)]
+        failed = [o for o in outcomes if o.status == "failed"]
+        error: BaseException | None = None
+        if getattr(self, "_timed_out", False):
+            error = self._timeout_error()
+        elif failed:
+            error = self._failure_error(failed)
+        elif any(o.status == "cancelled" for o in outcomes):
+            error = DistributedError(
+                f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
+                f"were stopped", job_id=self.id, reason="cancelled",
+            )
+        if error is None:
+            try:
+                self._results = [self._load(o) for o in outcomes]
+            except DistributedError as exc:
+                error = exc
+        self._error = error
+        final = state.DONE if error is None else (
+            state.CANCELLED if getattr(error, "reason", "") == "cancelled" else state.FAILED
+        )
+        self.state.finish(final, "" if error is None else str(error))
+        self._done.set()
+
+    def _load(self, outcome: RankOutcome) -> Any:
+        try:
+            return pickle.loads(outcome.result or cloudpickle.dumps(None))
+        except Exception as exc:
+            raise DistributedError(
+                f"rank {outcome.rank}'s result cannot be unpickled in the notebook: "
+                f"{type(exc).__name__}: {exc}. Return plain values (numbers, lists, numpy "
+                f"arrays, CPU tensors, state dicts) from the cell, or make the class importable "
+                f"in the notebook.",
+                job_id=self.id, reason="failed", failures={outcome.rank: str(exc)},
+            ) from None
+
+    def _failure_error(self, failed: list[RankOutcome]) -> DistributedError:
+        root = self._first_failure if self._first_failure is not None else failed[0].rank
+        ordered = sorted(failed, key=lambda o: (o.rank != root, o.rank))
+        first = ordered[0]
+        what = (
+            f"{first.error.get('type')}: {first.error.get('message')}"
+            if first.error else first.describe().splitlines()[0]
+        )
+        others = [o.rank for o in ordered[1:]]
+        msg = f"rank {first.rank} of {self.np} failed: {what}"
+        if others:
+            msg += f" (ranks {', '.join(map(str, others))} failed after it)"
+        stopped = [o.rank for o in self._outcomes.values() if o.status == "cancelled"]
+        if stopped:
+            msg += f"; nbdist stopped ranks {', '.join(map(str, sorted(stopped)))}"
+        return DistributedError(
+            msg, job_id=self.id, reason="failed",
+            failures={o.rank: o.describe() for o in ordered},
+        )
+
+    def _timeout_error(self) -> DistributedError:
+        running = getattr(self, "_running_at_cancel", [])
+        failures = {}
+        for rank in running:
+            r = self.state.ranks[rank]
+            tail = [line.text for line in list(r.log)[-10:]]
+            failures[rank] = "still running; its last output:\n" + "".join(
+                f"    {t}\n" for t in tail
+            ) if tail else "still running; it printed nothing\n"
+        return DistributedError(
+            f"job {self.id} timed out after {self.timeout:g} s (--timeout); ranks still "
+            f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped",
+            job_id=self.id, reason="timeout", failures=failures,
+        )
+
+    # -- public -----------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once every rank has ended and the job's outcome is known."""
+        return self._done.is_set()
+
+    def cancel(self, reason: str = "cancelled by the user") -> None:
+        """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled."""
+        if not self._done.is_set():
+            self._cancel(reason)
+
+    def wait(
+        self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
+    ) -> bool:
+        """Block until the job is over (True) or ``timeout`` passed (False).
+
+        ``on_tick`` is called about ten times a second while waiting (views render there).
+        A KeyboardInterrupt cancels the job, waits for the teardown and re-raises.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._done.wait(0.1):
+                if on_tick is not None:
+                    on_tick()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+        except KeyboardInterrupt:
+            self.cancel("interrupted from the notebook")
+            self._done.wait(TEARDOWN_S)
+            raise
+        if on_tick is not None:
+            on_tick()
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's value; raises :class:`DistributedError` if the job failed."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"job {self.id} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._results[0]
+
+    @property
+    def results(self) -> list[Any]:
+        """Every rank's value, index = rank (waits for the job)."""
+        self.result()
+        return list(self._results)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def __repr__(self) -> str:
+        where = f"{self.np} ranks on {self.launcher.name}"
+        return f"<nbdist job {self.id}: {where}, {self.state.state}>"
+
+
+def start(
+    payload: dict[str, Any],
+    np: int,
+    *,
+    backend: str = "auto",
+    gpu: bool | None = None,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    label: str = "",
+) -> Job:
+    """Start a job; ``np`` < 0 means |np| local ranks even when Spark is active."""
+    launcher, n = choose_launcher(np, backend)
+    if timeout is not None and timeout <= 0:
+        raise ValueError("timeout must be a positive number of seconds")
+    try:
+        return Job(payload, n, launcher, gpu=gpu, timeout=timeout, env=env, label=label)
+    except OSError as exc:
+        raise LaunchError(f"could not start the ranks: {exc}") from exc
+
+
+def run(
+    fn: Callable[..., Any],
+    *args: Any,
+    np: int = 2,
+    backend: str = "auto",
+    gpu: bool | None = None,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> Job:
+    """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the :class:`Job`.
+
+    Parameters
+    ----------
+    fn : callable
+        Shipped with cloudpickle; runs once per rank with the torchrun environment set.
+    np : int
+        Number of ranks; negative means that many local ranks even when Spark is active.
+    backend : {"auto", "local", "spark"}
+    gpu : bool, optional
+        One GPU per rank; default: when the backend has GPUs.
+    timeout : float, optional
+        Seconds after which every rank is stopped and the job fails.
+    env : dict, optional
+        Extra environment variables for every rank.
+
+    Returns
+    -------
+    Job
+        ``.result()`` is rank 0's return value, ``.results`` every rank's.
+    """
+    payload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    return start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
+                 label=getattr(fn, "__name__", "fn"))

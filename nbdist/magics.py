@@ -1,0 +1,177 @@
+"""The IPython magics: parse options, turn them into one call of the engine, show the result.
+
+Capture lives in ``capture.py``, launching in ``job.py`` and ``launch/``, rendering in
+``views/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from nbdist import job as jobs
+from nbdist.capture import capture_cell
+from nbdist.views import status
+from nbdist.views.text import TextView
+
+
+@dataclass
+class Options:
+    """``%%distributed``'s options, validated."""
+
+    np: int
+    backend: str = "auto"
+    gpu: bool | None = None
+    timeout: float | None = None
+    output: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    quiet: bool = False
+    show_source: bool = False
+    script: str | None = None
+    script_args: list[str] = field(default_factory=list)
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """Validate parsed arguments; every problem is a :class:`UsageError` naming the option."""
+    if args.np is None:
+        raise UsageError("%%distributed needs -np N: the number of ranks (e.g. -np 2)")
+    try:
+        np = int(args.np)
+    except ValueError:
+        raise UsageError(f"-np takes a whole number of ranks, not {args.np!r}") from None
+    if np == 0:
+        raise UsageError("-np 0 runs nothing: give N > 0 ranks, or -N for N local ranks")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout takes a positive number of seconds, not {args.timeout:g}")
+    env: dict[str, str] = {}
+    for item in args.env or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--env takes KEY=VALUE (e.g. --env NCCL_DEBUG=INFO), not {item!r}")
+        env[key] = value
+    if args.output is not None and not args.output.isidentifier():
+        raise UsageError(f"-o takes a variable name, not {args.output!r}")
+    return Options(
+        np=np, backend=args.backend, gpu=args.gpu, timeout=args.timeout, output=args.output,
+        env=env, quiet=args.quiet, show_source=args.show_source,
+        script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
+    )
+
+
+@magics_class
+class DistMagics(Magics):
+    """Holds the magics; the work is done by ``nbdist.job``."""
+
+    @magic_arguments()
+    @argument("-np", dest="np", metavar="N",
+              help="number of ranks; -N runs N local ranks even when Spark is active")
+    @argument("--backend", choices=("auto", "local", "spark"), default="auto",
+              help="where ranks run (default: Spark if a session is active, else local)")
+    @argument("--gpu", dest="gpu", action="store_true", default=None,
+              help="one GPU per rank (default: when the backend has GPUs)")
+    @argument("--no-gpu", dest="gpu", action="store_false", help="no GPUs for the ranks")
+    @argument("--timeout", type=float, metavar="SECONDS",
+              help="stop every rank and fail if the job runs longer")
+    @argument("-o", dest="output", metavar="VAR",
+              help="store every rank's value in VAR as a list (index = rank)")
+    @argument("--env", action="append", metavar="KEY=VALUE",
+              help="extra environment variable for every rank (repeatable)")
+    @argument("--quiet", action="store_true", help="show no output, only errors and the result")
+    @argument("--show-source", action="store_true",
+              help="print the self-contained function that would run, and do not run it")
+    @argument("script", nargs="?", help="line form: a Python script to run on every rank")
+    @argument("args", nargs=argparse.REMAINDER, help="line form: the script's arguments")
+    @no_var_expand
+    @line_cell_magic
+    def distributed(self, line: str, cell: str | None = None) -> Any:
+        """Run this cell (or a script, in the line form) on N ranks.
+
+        The cell's imports and everything it uses from earlier cells travel with it. Every
+        rank gets the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+        MASTER_PORT, ...). Output is shown live, labelled by rank. The value of the last line
+        on rank 0 is the cell's result.
+        """
+        opts = parse_options(parse_argstring(self.distributed, line))
+        if cell is not None and opts.script:
+            raise UsageError(f"unexpected argument {opts.script!r}: the cell is what runs")
+        if cell is None:
+            payload = self._script_payload(opts)
+        else:
+            shell = self.shell
+            assert shell is not None
+            captured = capture_cell(
+                cell, shell.user_ns, transform=shell.transform_cell,
+                filename=f"<cell In[{shell.execution_count}]>",
+            )
+            if opts.show_source:
+                print(captured.function_source())
+                return None
+            payload = captured.payload()
+        return self._run(payload, opts, returns=cell is not None and payload["returns_last"])
+
+    def _script_payload(self, opts: Options) -> dict[str, Any]:
+        if not opts.script:
+            raise UsageError("%distributed needs a script in its line form: "
+                             "%distributed -np 4 train.py --lr 0.01")
+        path = os.path.abspath(opts.script)
+        if not os.path.isfile(path):
+            raise UsageError(f"no such script: {opts.script!r} (looked in {os.getcwd()})")
+        if opts.show_source:
+            raise UsageError("--show-source applies to the cell form")
+        return {"kind": "script", "path": path, "argv": opts.script_args}
+
+    def _run(self, payload: dict[str, Any], opts: Options, *, returns: bool) -> Any:
+        try:
+            job = jobs.start(payload, opts.np, backend=opts.backend, gpu=opts.gpu,
+                             timeout=opts.timeout, env=opts.env)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        view = None if opts.quiet else TextView(job.state)
+        try:
+            job.wait(on_tick=view.update if view else None)
+        except KeyboardInterrupt:
+            pass  # the job was cancelled and torn down; its error says so below
+        finally:
+            if view is not None:
+                view.close()
+        if job.error is not None or not job.done():
+            job.result(timeout=0)
+        if opts.output and self.shell is not None:
+            self.shell.user_ns[opts.output] = job.results
+        return job.result() if returns else None
+
+    @line_magic
+    def dist_status(self, line: str) -> None:
+        """Show this kernel's nbdist jobs and the local capacity; ``%dist_status JOB`` for ranks."""
+        job_id = line.strip() or None
+        if job_id is not None:
+            job = jobs.get_job(job_id)
+            if job is None:
+                raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
+            print(status.ranks_table(job.state))
+            return
+        print(status.jobs_table([j.state for j in jobs.jobs()]))
+        from nbdist.launch.local import LocalLauncher
+
+        print(f"\ncapacity (local): {LocalLauncher().capacity().detail}")
+
+    @line_magic
+    def dist_cancel(self, line: str) -> None:
+        """Cancel a job (default: the one running); its ranks are gone within seconds."""
+        args = shlex.split(line)
+        job = jobs.get_job(args[0] if args else None)
+        if job is None:
+            raise UsageError(f"no job {args[0]!r}" if args else "no nbdist job to cancel")
+        if job.done():
+            print(f"job {job.id} already ended ({job.state.state})")
+            return
+        job.cancel("cancelled with %dist_cancel")
+        job.wait(jobs.TEARDOWN_S)
+        print(f"job {job.id} cancelled; {job.state.counts()}")

@@ -1,0 +1,187 @@
+"""The driver's model of jobs and ranks, fed by events. Pure Python, no I/O.
+
+Memory is bounded whatever the ranks print: each rank keeps its last ``LOG_LINES`` lines, the
+job keeps the last ``MERGED_LINES`` lines of all ranks in order, and an unfinished line is cut
+at ``MAX_PARTIAL`` characters. What falls out of view is counted, never silently lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+LOG_LINES = 1000
+MERGED_LINES = 5000
+MAX_PARTIAL = 64 * 1024
+
+#: Rank and job states, in the order a rank goes through them.
+PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (
+    "pending", "starting", "running", "done", "failed", "cancelled"
+)
+FINAL = frozenset({DONE, FAILED, CANCELLED})
+
+
+@dataclass(frozen=True)
+class Line:
+    seq: int
+    rank: int
+    stream: str  # "o" stdout, "e" stderr
+    text: str
+    end: str  # "\n", "\r", or "" for a line flushed before its end
+
+
+@dataclass
+class RankState:
+    rank: int
+    state: str = PENDING
+    host: str | None = None
+    pid: int | None = None
+    gpu: str | None = None
+    exit_code: int | None = None
+    started: float | None = None
+    ended: float | None = None
+    log: collections.deque[Line] = field(
+        default_factory=lambda: collections.deque(maxlen=LOG_LINES)
+    )
+    lines: int = 0  # lines received in all
+    status_line: str = ""  # latest \r-terminated text (a progress bar drawn by the rank itself)
+    progress: dict[int, dict[str, Any]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> int:
+        """Lines received that no longer fit in ``log``."""
+        return self.lines - len(self.log)
+
+    @property
+    def last_line(self) -> str:
+        return self.log[-1].text if self.log else ""
+
+
+class JobState:
+    """One job as the driver sees it; every method is safe to call from any thread."""
+
+    def __init__(self, job_id: str, backend: str, np: int) -> None:
+        self.id = job_id
+        self.backend = backend
+        self.np = np
+        self.state = PENDING
+        self.created = time.time()
+        self.ended: float | None = None
+        self.reason = ""  # why it failed / was cancelled, in words
+        self.ranks = [RankState(r) for r in range(np)]
+        self.merged: collections.deque[Line] = collections.deque(maxlen=MERGED_LINES)
+        self.seq = 0
+        self.version = 0  # bumped on every change; views re-render when it moved
+        self.rejected = 0
+        self._partial: dict[tuple[int, str], str] = {}
+        self.lock = threading.RLock()
+
+    # -- events ---------------------------------------------------------------------------------
+    def apply(self, rank: int, event: dict[str, Any]) -> None:
+        """Fold one rank event into the state."""
+        if not 0 <= rank < self.np:
+            return
+        kind = event.get("t")
+        with self.lock:
+            r = self.ranks[rank]
+            if kind == "out":
+                self._output(r, str(event.get("s", "o")), event.get("seg") or [])
+            elif kind == "progress":
+                bar = {k: event.get(k) for k in ("n", "total", "desc", "rate", "elapsed")}
+                r.progress[int(event.get("id", 0))] = bar
+            elif kind == "metrics":
+                values = event.get("values")
+                if isinstance(values, dict):
+                    r.metrics.update(values)
+            elif kind == "state":
+                self._rank_state(r, event)
+            elif kind == "hello":
+                r.host = event.get("host")
+                gpus = event.get("gpus") or []
+                r.gpu = ",".join(map(str, gpus)) or None
+            self.version += 1
+
+    def _rank_state(self, r: RankState, event: dict[str, Any]) -> None:
+        new = event.get("state")
+        if new == "ready":
+            return
+        if isinstance(event.get("pid"), int) and new == STARTING:
+            r.pid = event["pid"]
+        if event.get("host"):
+            r.host = event["host"]
+        if new in (STARTING, RUNNING, DONE, FAILED, CANCELLED) and r.state not in FINAL:
+            r.state = str(new)
+            if new == STARTING:
+                r.started = time.time()
+            if new in FINAL:
+                r.ended = time.time()
+                r.exit_code = event.get("exit")
+            if self.state == PENDING:
+                self.state = RUNNING
+
+    def _output(self, r: RankState, stream: str, segs: list[Any]) -> None:
+        key = (r.rank, stream)
+        for seg in segs:
+            if not isinstance(seg, list) or len(seg) != 2:
+                continue
+            text, end = str(seg[0]), str(seg[1])
+            if end == "\r":
+                r.status_line = text
+                continue
+            text = self._partial.pop(key, "") + text
+            if end == "" and len(text) < MAX_PARTIAL:
+                # Flushed before its newline: keep it open, but show it already.
+                self._partial[key] = text
+                r.status_line = text
+                continue
+            self.seq += 1
+            line = Line(self.seq, r.rank, stream, text, end)
+            r.log.append(line)
+            r.lines += 1
+            self.merged.append(line)
+
+    # -- transitions the job makes itself -------------------------------------------------------
+    def set_rank(self, rank: int, state: str, exit_code: int | None = None) -> None:
+        with self.lock:
+            r = self.ranks[rank]
+            if r.state not in FINAL:
+                r.state = state
+                r.ended = time.time() if state in FINAL else r.ended
+                r.exit_code = exit_code if exit_code is not None else r.exit_code
+            self.version += 1
+
+    def finish(self, state: str, reason: str = "") -> None:
+        with self.lock:
+            self.state = state
+            self.reason = reason
+            self.ended = time.time()
+            for (rank, stream), text in list(self._partial.items()):
+                if text:  # close lines that never got their newline
+                    self._output(self.ranks[rank], stream, [["", "\n"]])
+            self.version += 1
+
+    # -- reading --------------------------------------------------------------------------------
+    def lines_since(self, seq: int) -> tuple[list[Line], int]:
+        """Merged lines after ``seq``, and how many of those already fell out of the buffer."""
+        with self.lock:
+            if not self.merged or self.merged[-1].seq <= seq:
+                return [], 0
+            first = self.merged[0].seq
+            skipped = max(0, first - seq - 1)
+            return [line for line in self.merged if line.seq > seq], skipped
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.time()) - self.created
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return [r.rank for r in self.ranks if r.state == FAILED]
+
+    def counts(self) -> dict[str, int]:
+        with self.lock:
+            return dict(collections.Counter(r.state for r in self.ranks))

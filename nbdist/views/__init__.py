@@ -1,0 +1,1 @@
+"""Views render a job's state; they never change it. There is always a text view."""

@@ -1,0 +1,75 @@
+"""Shared fixtures: a real IPython shell with nbdist loaded, and a guard against leaked processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+#: How long ranks may take to disappear after a job ended (the contract says 10 s).
+GONE_WITHIN_S = 10.0
+
+
+@pytest.fixture(scope="session")
+def ip() -> Iterator[object]:
+    """A real InteractiveShell with ``%load_ext nbdist`` done."""
+    from IPython.testing.globalipapp import start_ipython
+
+    shell = start_ipython()
+    assert shell is not None
+    shell.run_line_magic("load_ext", "nbdist")
+    yield shell
+
+
+def _descendants() -> dict[int, str]:
+    out = {}
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out[p.pid] = " ".join(p.cmdline()[:4])
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """After each test, every process the test started must be gone (within the 10 s bound)."""
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while True:
+        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes left running after the test: {left}"
+
+
+def rank_processes() -> list[psutil.Process]:
+    """Rank interpreters started from this process (for tests that check teardown)."""
+    found = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if "nbdist.runtime" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_for(predicate: object, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -1,0 +1,278 @@
+"""The engine through ``nbdist.run``: real rank processes on the local backend."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import nbdist
+from nbdist import state
+
+from .conftest import rank_processes, wait_for
+
+
+def env_of_rank() -> dict[str, str]:
+    import os
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "NBDIST_JOB_ID")
+    return {k: os.environ[k] for k in keys}
+
+
+def test_every_rank_gets_the_torchrun_environment() -> None:
+    """Four ranks see distinct RANK/LOCAL_RANK and one MASTER_ADDR/PORT and run id."""
+    job = nbdist.run(env_of_rank, np=4)
+    envs = job.results
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"} == {e["LOCAL_WORLD_SIZE"] for e in envs}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"], e["TORCHELASTIC_RUN_ID"]) for e in envs}) == 1
+    assert envs[0]["NBDIST_JOB_ID"] == job.id
+    assert job.result() == envs[0]
+
+
+def test_ranks_are_fresh_interpreters_in_their_own_process_group() -> None:
+    """No rank is a fork of the driver: each has its own pid and leads its own group."""
+
+    def who() -> tuple[int, int, int]:
+        import os
+
+        return os.getpid(), os.getpgid(0), os.getppid()
+
+    results = nbdist.run(who, np=2).results
+    for pid, pgid, ppid in results:
+        assert pid != os.getpid() and pgid == pid and ppid == os.getpid()
+
+
+def test_output_is_live_and_labelled_by_rank(tmp_path: Path) -> None:
+    """A rank's line reaches the driver while the rank is still running."""
+    gate = tmp_path / "gate"
+
+    def talk(gate: str) -> str:
+        import os
+        import time
+
+        print(f"waiting on rank {os.environ['RANK']}", flush=True)
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        return "released"
+
+    job = nbdist.run(talk, str(gate), np=2)
+    wait_for(lambda: all(r.last_line.startswith("waiting") for r in job.state.ranks), 30,
+             "both ranks' first line")
+    assert not job.done()
+    assert job.state.ranks[1].last_line == "waiting on rank 1"
+    gate.touch()
+    assert job.result(timeout=30) == "released"
+
+
+def test_output_is_captured_at_the_fd_level() -> None:
+    """C-level writes and subprocess output are captured along with print()."""
+
+    def noisy() -> None:
+        import os
+        import subprocess
+
+        os.write(1, b"from fd 1\n")
+        os.write(2, b"from fd 2\n")
+        subprocess.run(["echo", "from a subprocess"], check=True)
+
+    job = nbdist.run(noisy, np=1)
+    job.result(timeout=30)
+    log = [(line.stream, line.text) for line in job.state.ranks[0].log]
+    assert ("o", "from fd 1") in log and ("e", "from fd 2") in log
+    assert ("o", "from a subprocess") in log
+
+
+def test_carriage_return_redraws_arrive_without_a_newline(tmp_path: Path) -> None:
+    """A progress redraw ending in \\r is seen by the driver before any newline follows."""
+    gate = tmp_path / "gate"
+
+    def bar(gate: str) -> None:
+        import os
+        import sys
+        import time
+
+        sys.stdout.write("step 1/2\r")
+        sys.stdout.flush()
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+
+    job = nbdist.run(bar, str(gate), np=1)
+    wait_for(lambda: job.state.ranks[0].status_line == "step 1/2", 30, "the redraw")
+    gate.touch()
+    job.result(timeout=30)
+
+
+def test_failure_names_the_rank_and_tears_the_others_down() -> None:
+    """Rank 1 raising ends the job with its traceback while rank 0 was blocked; no process stays."""
+
+    def work() -> None:
+        import os
+        import time
+
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad shard 7")
+        time.sleep(600)
+
+    started = time.monotonic()
+    job = nbdist.run(work, np=2)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=60)
+    err = info.value
+    assert time.monotonic() - started < 30
+    assert "rank 1 of 2 failed: ValueError: bad shard 7" in str(err)
+    assert list(err.failures) == [1]
+    assert 'raise ValueError("bad shard 7")' in err.failures[1]
+    assert "nbdist/" not in err.failures[1]  # the user's frames only
+    assert job.state.ranks[0].state == state.CANCELLED and job.state.state == state.FAILED
+    wait_for(lambda: not rank_processes(), 10, "every rank process to exit")
+    rendered = "\n".join(err._render_traceback_())
+    assert "--- rank 1" in rendered and "bad shard 7" in rendered
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("import sys; sys.exit(3)", "sys.exit(3)"),
+        ("import os; os._exit(4)", "exited with code 4 before returning a result"),
+        ("import os; os.kill(os.getpid(), 9)", "killed by SIGKILL"),
+    ],
+)
+def test_exit_without_a_result_is_a_failure(body: str, expected: str) -> None:
+    """A rank that exits or is killed before returning is reported with its code or signal."""
+    code = compile(f"def f():\n    print('last words', flush=True)\n    {body}\n", "<t>", "exec")
+    ns: dict[str, object] = {}
+    exec(code, ns)
+    with pytest.raises(nbdist.DistributedError) as info:
+        nbdist.run(ns["f"], np=1).result(timeout=60)
+    assert expected in info.value.failures[0]
+
+
+def test_crash_after_the_result_is_not_a_failure() -> None:
+    """A rank that aborts after delivering its value (torch 2.13's teardown abort) succeeded."""
+
+    def deliver_then_abort() -> int:
+        import os
+        import sys
+
+        class AbortOnSecondFlush:
+            def __init__(self, inner: object) -> None:
+                self.inner, self.flushes = inner, 0
+
+            def write(self, s: str) -> int:
+                return self.inner.write(s)  # type: ignore[attr-defined,no-any-return]
+
+            def flush(self) -> None:
+                self.flushes += 1
+                if self.flushes >= 2:  # the runtime's flush after the result was sent
+                    os.abort()
+
+        sys.stdout = AbortOnSecondFlush(sys.stdout)
+        return 42
+
+    job = nbdist.run(deliver_then_abort, np=2)
+    assert job.results == [42, 42]
+
+
+def test_timeout_names_the_running_ranks_and_their_last_lines() -> None:
+    """--timeout stops a hung job and says which ranks were still running and what they said."""
+
+    def hang() -> None:
+        import os
+        import time
+
+        print(f"rank {os.environ['RANK']} stuck in a collective", flush=True)
+        time.sleep(600)
+
+    job = nbdist.run(hang, np=2, timeout=3)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=60)
+    err = info.value
+    assert err.reason == "timeout" and "timed out after 3 s" in str(err)
+    assert sorted(err.failures) == [0, 1]
+    assert "rank 1 stuck in a collective" in err.failures[1]
+
+
+def test_cancel_stops_every_rank_even_one_ignoring_sigterm() -> None:
+    """cancel() ends the job as cancelled; a rank that ignores SIGTERM is killed."""
+
+    def stubborn() -> None:
+        import signal
+        import time
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("ready", flush=True)
+        time.sleep(600)
+
+    job = nbdist.run(stubborn, np=2)
+    wait_for(lambda: all(r.last_line == "ready" for r in job.state.ranks), 30, "ranks ready")
+    started = time.monotonic()
+    job.cancel()
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=30)
+    assert info.value.reason == "cancelled"
+    assert time.monotonic() - started < 10
+    assert [r.state for r in job.state.ranks] == [state.CANCELLED] * 2
+
+
+def test_grandchildren_die_with_their_rank() -> None:
+    """A process a rank starts in the background does not outlive the job."""
+
+    def spawn() -> int:
+        import subprocess
+
+        return subprocess.Popen(["sleep", "600"]).pid
+
+    pid = nbdist.run(spawn, np=1).result(timeout=60)
+    wait_for(lambda: not _alive(pid), 10, "the rank's background process to die")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_rank_killed_from_outside_is_reported() -> None:
+    """SIGKILL from outside the job is reported as that rank's failure, naming the signal."""
+
+    def wait() -> None:
+        import time
+
+        print("up", flush=True)
+        time.sleep(600)
+
+    job = nbdist.run(wait, np=2)
+    wait_for(lambda: all(r.last_line == "up" for r in job.state.ranks), 30, "ranks up")
+    os.kill(job.state.ranks[1].pid or 0, signal.SIGKILL)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=30)
+    assert "killed by SIGKILL" in info.value.failures[1]
+
+
+def test_unpicklable_result_is_a_clear_error() -> None:
+    """A value that cannot be pickled on the rank names its type."""
+
+    def lock() -> object:
+        import threading
+
+        return threading.Lock()
+
+    with pytest.raises(nbdist.DistributedError, match="type lock cannot be pickled"):
+        nbdist.run(lock, np=1).result(timeout=60)
+
+
+def test_run_rejects_bad_arguments() -> None:
+    """np=0 and a non-positive timeout are refused before anything starts."""
+    with pytest.raises(ValueError, match="non-zero"):
+        nbdist.run(print, np=0)
+    with pytest.raises(ValueError, match="timeout"):
+        nbdist.run(print, np=1, timeout=0)

@@ -1,0 +1,61 @@
+"""The driver's job model: pure, bounded, fed by events."""
+
+from __future__ import annotations
+
+from nbdist import state
+from nbdist.state import JobState
+
+
+def out(*segs: tuple[str, str], s: str = "o") -> dict[str, object]:
+    return {"t": "out", "s": s, "seg": [list(x) for x in segs]}
+
+
+def test_lines_progress_metrics_and_states_are_folded_in() -> None:
+    """Output, progress, metrics and state events land on the right rank."""
+    job = JobState("j1", "local", 2)
+    job.apply(1, out(("hello", "\n")))
+    job.apply(1, {"t": "progress", "id": 1, "n": 5, "total": 10, "desc": "epoch"})
+    job.apply(1, {"t": "metrics", "values": {"loss": 0.5}})
+    job.apply(1, {"t": "state", "state": "starting", "pid": 42, "host": "h"})
+    r = job.ranks[1]
+    assert r.last_line == "hello" and r.progress[1]["n"] == 5 and r.metrics == {"loss": 0.5}
+    assert r.state == state.STARTING and r.pid == 42 and job.state == state.RUNNING
+    assert job.ranks[0].lines == 0
+
+
+def test_carriage_returns_update_the_status_line_only() -> None:
+    """A \\r-terminated segment is a redraw: it is shown as the status, not logged."""
+    job = JobState("j", "local", 1)
+    job.apply(0, out(("10%", "\r"), ("20%", "\r")))
+    assert job.ranks[0].status_line == "20%" and job.ranks[0].lines == 0
+
+
+def test_partial_lines_are_joined_and_closed_at_the_end() -> None:
+    """Text flushed before its newline is shown at once and joined with what follows."""
+    job = JobState("j", "local", 1)
+    job.apply(0, out(("Epoch 1: ", "")))
+    assert job.ranks[0].status_line == "Epoch 1: "
+    job.apply(0, out(("ok", "\n"), ("tail", "")))
+    assert [ln.text for ln in job.ranks[0].log] == ["Epoch 1: ok"]
+    job.finish(state.DONE)
+    assert [ln.text for ln in job.ranks[0].log] == ["Epoch 1: ok", "tail"]
+
+
+def test_memory_is_bounded_and_drops_are_counted() -> None:
+    """A flood keeps only the last lines, and says how many it no longer holds."""
+    job = JobState("j", "local", 1)
+    n = state.MERGED_LINES + 500
+    job.apply(0, out(*[(str(i), "\n") for i in range(n)]))
+    r = job.ranks[0]
+    assert len(r.log) == state.LOG_LINES and r.dropped == n - state.LOG_LINES
+    lines, skipped = job.lines_since(0)
+    assert skipped == 500 and lines[-1].text == str(n - 1) and len(lines) == state.MERGED_LINES
+
+
+def test_bad_events_are_ignored() -> None:
+    """Events for unknown ranks or of unknown shape change nothing."""
+    job = JobState("j", "local", 1)
+    job.apply(5, out(("x", "\n")))
+    job.apply(0, {"t": "out", "seg": ["not a pair", [1]]})
+    job.apply(0, {"t": "metrics", "values": "nope"})
+    assert job.ranks[0].lines == 0 and job.ranks[0].metrics == {}
