@@ -63,6 +63,7 @@ class Captured:
     imports: list[Import] = field(default_factory=list)
     values: dict[str, Any] = field(default_factory=dict)
     returns_last: bool = True
+    line_offset: int = 0  # lines above the source in the user's cell (the %%distributed line)
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -72,6 +73,7 @@ class Captured:
             "imports": [(i.name, i.module, i.attr) for i in self.imports],
             "values": self.values,
             "returns_last": self.returns_last,
+            "line_offset": self.line_offset,
         }
 
     def function_source(self, name: str = "cell") -> str:
@@ -126,6 +128,7 @@ def capture_cell(
     *,
     transform: Callable[[str], str] | None = None,
     filename: str = "<cell>",
+    line_offset: int = 0,
 ) -> Captured:
     """Turn a cell into a :class:`Captured`, or raise :class:`CaptureError` / ``SyntaxError``.
 
@@ -137,7 +140,9 @@ def capture_cell(
     returns_last = bool(tree.body) and isinstance(tree.body[-1], ast.Expr) and not (
         cell.rstrip().endswith(";")
     )
-    captured = Captured(source=source, filename=filename, returns_last=returns_last)
+    captured = Captured(
+        source=source, filename=filename, returns_last=returns_last, line_offset=line_offset
+    )
     for name, line in _free_names(tree):
         if name in _IPYTHON_NAMES or name not in user_ns:
             continue

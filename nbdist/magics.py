@@ -108,7 +108,7 @@ class DistMagics(Magics):
             assert shell is not None
             captured = capture_cell(
                 cell, shell.user_ns, transform=shell.transform_cell,
-                filename=f"<cell In[{shell.execution_count}]>",
+                filename=f"<cell In[{shell.execution_count}]>", line_offset=1,
             )
             if opts.show_source:
                 print(captured.function_source())

@@ -202,7 +202,10 @@ class _RankShell:
 def _run_cell(payload: dict[str, Any]) -> Any:
     filename: str = payload["filename"]
     source: str = payload["source"]
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    offset: int = payload.get("line_offset", 0)
+    # Line numbers count from the top of the user's cell, magic line included.
+    lines = ["\n"] * offset + source.splitlines(True)
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     ns["get_ipython"] = lambda: _RankShell()
     for name, module, attr in payload.get("imports", ()):
@@ -217,6 +220,7 @@ def _run_cell(payload: dict[str, Any]) -> Any:
             ) from None
     ns.update(payload.get("values", {}))
     tree = ast.parse(source, filename)
+    ast.increment_lineno(tree, offset)
     last = None
     if payload.get("returns_last") and tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body[-1].value)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a real IPython shell with nbdist loaded, and a guard against leaked processes."""
+"""Shared fixtures: a real IPython shell with nbdist loaded; a guard against leaked processes."""
 
 from __future__ import annotations
 

@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine (see README.md):
+#   make quickstart   the main job: notebooks/01-quickstart.ipynb on 2 local ranks
+#   make test         lint, types and the whole test suite (real kernels, Spark, a browser)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: setup quickstart test lint system-deps
+
+setup: $(VENV)/.installed
+
+# torch is pinned for development only (.ci/constraints.txt): any other version or range makes
+# pip download a multi-GB CUDA build on this kind of machine.
+$(VENV)/.installed: pyproject.toml .ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c .ci/constraints.txt torch
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark]'
+	touch $@
+
+quickstart: setup
+	$(PY) notebooks/run.py notebooks/01-quickstart.ipynb
+
+lint: setup
+	$(VENV)/bin/ruff check nbdist tests benchmarks notebooks
+	$(VENV)/bin/mypy
+
+# Java 17 for Spark and Debian's chromium for the browser test; root installs them with apt-get.
+system-deps:
+	@command -v java >/dev/null || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+
+test: setup system-deps lint
+	SPARK_LOCAL_IP=127.0.0.1 $(PY) -m pytest

@@ -1,0 +1,46 @@
+"""The public surface: small, explicit, and importable without the optional extras."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import nbdist
+
+
+def test_exported_members() -> None:
+    """nbdist.__all__ is exactly the documented public API."""
+    assert sorted(nbdist.__all__) == sorted([
+        "CapacityError", "CaptureError", "DistributedError", "LaunchError", "NbdistError",
+        "load_ipython_extension", "progress", "report", "run", "unload_ipython_extension",
+    ])
+    for name in nbdist.__all__:
+        assert getattr(nbdist, name) is not None
+    assert issubclass(nbdist.DistributedError, RuntimeError)
+
+
+def test_import_and_load_ext_work_without_torch_or_pyspark() -> None:
+    """`import nbdist` and `%load_ext nbdist` need neither torch nor pyspark, nor import them."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None; sys.modules['pyspark'] = None\n"
+        "import nbdist\n"
+        "from IPython.testing.globalipapp import start_ipython\n"
+        "ip = start_ipython(); ip.run_line_magic('load_ext', 'nbdist')\n"
+        "assert 'distributed' in ip.magics_manager.magics['cell']\n"
+        "print(nbdist.run(lambda: 6 * 7, np=1).result())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("42")
+
+
+def test_rank_side_modules_stay_light() -> None:
+    """The rank's interpreter imports neither IPython nor ipywidgets."""
+    code = (
+        "import sys\nimport nbdist.runtime, nbdist.rank\n"
+        "heavy = ('IPython', 'ipywidgets', 'pyspark', 'torch')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr

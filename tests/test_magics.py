@@ -1,0 +1,121 @@
+"""``%%distributed`` through a real InteractiveShell with the extension loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+
+import nbdist
+
+
+def run(ip: Any, cell: str) -> Any:
+    result = ip.run_cell(cell)
+    if result.error_before_exec is not None:
+        raise result.error_before_exec
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    return result.result
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("", "needs -np N"),
+        ("-np 0", "-np 0 runs nothing"),
+        ("-np abc", "whole number of ranks, not 'abc'"),
+        ("-np 2 --frobnicate", "unrecognized arguments: --frobnicate"),
+        ("-np 2 --timeout -1", "positive number of seconds"),
+        ("-np 2 --env NOEQUALS", "KEY=VALUE"),
+        ("-np 2 -o 1bad", "variable name"),
+        ("-np 2 --backend yarn", "invalid choice: 'yarn'"),
+        ("-np 2 stray", "unexpected argument 'stray'"),
+    ],
+)
+def test_bad_options_are_usage_errors(ip: Any, line: str, message: str) -> None:
+    """Every malformed option is a UsageError that says what is wrong."""
+    result = ip.run_cell(f"%%distributed {line}\n1")
+    err = result.error_in_exec or result.error_before_exec
+    assert type(err) is UsageError
+    assert message in str(err)
+
+
+def test_cell_uses_notebook_names_and_returns_rank0_value(ip: Any, capsys: Any) -> None:
+    """Aliased modules, notebook functions/classes and values travel; rank 0's value is Out."""
+    run(ip, "import numpy as np\nimport os.path\nfrom math import sqrt as s\n"
+            "import collections.abc as cabc\n"
+            "SCALE = 3\nweights = np.arange(4.0)\n"
+            "def scaled(x):\n    return np.sqrt(x) * SCALE\n"
+            "class Box:\n    def __init__(self, v):\n        self.v = v\n")
+    out = run(ip, "%%distributed -np 2\n"
+                  "import os\n"
+                  "rank = int(os.environ['RANK'])\n"
+                  "print('rank', rank, 'of', os.environ['WORLD_SIZE'], flush=True)\n"
+                  "b = Box(scaled(16.0) + s(4.0) + weights.sum())\n"
+                  "(rank, b.v, os.path.basename('/a/b'), isinstance([], cabc.Sequence))\n")
+    assert out == (0, 12.0 + 2.0 + 6.0, "b", True)
+    assert ip.user_ns["_"] == out
+    printed = capsys.readouterr().out
+    assert "[rank 0] rank 0 of 2" in printed and "[rank 1] rank 1 of 2" in printed
+
+
+def test_trailing_semicolon_suppresses_the_result_and_o_stores_all(ip: Any) -> None:
+    """A trailing ';' returns nothing, and -o VAR keeps every rank's value."""
+    out = run(ip, "%%distributed -np 2 -o per_rank --quiet\n"
+                  "import os\nint(os.environ['RANK']) * 10;\n")
+    assert out is None
+    assert ip.user_ns["per_rank"] == [None, None]
+    run(ip, "%%distributed -np 3 -o per_rank --quiet\nimport os\nint(os.environ['RANK']) * 10\n")
+    assert ip.user_ns["per_rank"] == [0, 10, 20]
+
+
+def test_env_option_and_negative_np(ip: Any) -> None:
+    """--env reaches every rank and -np -2 runs two local ranks."""
+    out = run(ip, "%%distributed -np -2 --env GREETING=hi --env EMPTY= -o got --quiet\n"
+                  "import os\n(os.environ['GREETING'], os.environ['EMPTY'], os.environ['RANK'])\n")
+    assert out == ("hi", "", "0") and ip.user_ns["got"][1] == ("hi", "", "1")
+
+
+def test_a_failing_cell_raises_and_the_next_cell_runs(ip: Any) -> None:
+    """A rank's exception surfaces as DistributedError with the user's line; the shell goes on."""
+    result = ip.run_cell("%%distributed -np 2\n"
+                         "import os\n"
+                         "if os.environ['RANK'] == '1':\n"
+                         "    {}['missing']\n")
+    err = result.error_in_exec
+    assert isinstance(err, nbdist.DistributedError)
+    assert "rank 1 of 2 failed: KeyError: 'missing'" in str(err)
+    assert "line 4" in err.failures[1] and "{}['missing']" in err.failures[1]
+    assert run(ip, "%%distributed -np 2 --quiet\n21 * 2") == 42
+
+
+def test_line_form_runs_a_script_with_arguments(ip: Any, tmp_path: Path, capsys: Any) -> None:
+    """`%distributed -np 2 train.py --lr 0.1` runs the script on both ranks with its argv."""
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nprint('argv', sys.argv[1:], os.environ['RANK'])\n")
+    run(ip, f"%distributed -np 2 {script} --lr 0.1")
+    printed = capsys.readouterr().out
+    assert "[rank 0] argv ['--lr', '0.1'] 0" in printed
+    assert "[rank 1] argv ['--lr', '0.1'] 1" in printed
+    with pytest.raises(UsageError, match="no such script"):
+        run(ip, "%distributed -np 2 missing_script.py")
+    with pytest.raises(UsageError, match="needs a script"):
+        run(ip, "%distributed -np 2")
+
+
+def test_dist_status_lists_jobs_and_details(ip: Any, capsys: Any) -> None:
+    """%dist_status shows the kernel's jobs and capacity; with a job id, its ranks."""
+    run(ip, "%%distributed -np 2 --quiet\nprint('status line')\n1")
+    job = nbdist.job.get_job()
+    assert job is not None
+    capsys.readouterr()
+    run(ip, "%dist_status")
+    table = capsys.readouterr().out
+    assert job.id in table and "capacity" in table
+    run(ip, f"%dist_status {job.id}")
+    detail = capsys.readouterr().out
+    assert "status line" in detail and "done" in detail
+    with pytest.raises(UsageError, match="no job 'j999'"):
+        run(ip, "%dist_status j999")

@@ -1,0 +1,44 @@
+"""The notebooks in notebooks/ run top to bottom in a real kernel, with the outputs they promise."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def execute(name: str) -> list[str]:
+    """Run a notebook; return each code cell's outputs as one text."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    texts = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        parts = []
+        for out in cell.outputs:
+            if out.output_type == "stream":
+                parts.append(out.text)
+            elif "data" in out:
+                parts.extend(str(v) for k, v in out.data.items() if k.startswith("text/"))
+        texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_quickstart_trains_on_two_ranks() -> None:
+    """The quickstart shows both ranks' epochs and returns rank 0's accuracy as the result."""
+    texts = execute("01-quickstart.ipynb")
+    train = texts[2]
+    for rank in (0, 1):
+        assert f"[rank {rank}] epoch 0: loss" in train
+        assert f"[rank {rank}] held-out accuracy" in train
+    assert "{'rank': 0, 'accuracy':" in train
+    accuracy = float(re.search(r"accuracy on 297 held-out digits: ([\d.]+)%", texts[3]).group(1))
+    assert accuracy > 80
