@@ -10,6 +10,9 @@ The tree::
      └── RuntimeError
           └── DistributedError  one or more ranks failed, timed out or were cancelled
 
+    UserWarning
+     └── CaptureWarning         a value the cell uses is large (every rank gets a copy)
+
 Bad user input to a magic is IPython's own ``UsageError``, raised by ``magics.py``.
 This module is imported on ranks: standard library only.
 """
@@ -27,7 +30,15 @@ class NbdistError(Exception):
 
 
 class CaptureError(NbdistError):
-    """A name the cell uses cannot be shipped to the ranks."""
+    """A name the cell uses cannot be shipped to the ranks, or the cell cannot run on one."""
+
+    def _render_traceback_(self) -> list[str]:
+        """Let IPython show just the message: nbdist's frames say nothing about the cell."""
+        return f"{type(self).__name__}: {self}".splitlines()
+
+
+class CaptureWarning(UserWarning):
+    """A value the cell uses is large: every rank receives a copy when it starts."""
 
 
 class CapacityError(NbdistError):
