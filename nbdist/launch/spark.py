@@ -1,0 +1,531 @@
+"""The Spark backend: one barrier task per rank, each handing over to the rank supervisor.
+
+The driver side (:class:`SparkLauncher`) checks that the cluster can run the ranks at once,
+submits one barrier stage from a thread of its own under a job group of its own, and turns the
+stage's ``collect()`` into one :class:`~nbdist.rank.RankOutcome` per rank. The task side
+(:func:`run_task`) works out the rank, its host and its GPUs from ``BarrierTaskContext``
+(``partitionId()``, ``getTaskInfos()`` and ``resources()`` cost nothing) and calls the same
+supervisor as the local backend. Ports and host grouping are agreed over nbdist's own event
+channel, never with ``barrier()``/``allGather()``, which cost about a second each.
+
+Stopping: the job tells every supervisor to stop its rank, and only tasks that have not ended
+after ``CANCEL_GRACE_S`` are cancelled through this job's Spark job group. When a task's Python
+worker dies however it happens (Spark kills it, an executor is lost), its rank sees its control
+pipe close and kills its own process group (``runtime.py``).
+
+pyspark is imported lazily: this module is only imported when Spark is used, and the task side
+runs inside Spark's Python workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import secrets
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
+from typing import Any
+
+from nbdist import events
+from nbdist.errors import CapacityError, LaunchError
+from nbdist.launch import Capacity, LaunchRequest
+from nbdist.rank import RankOutcome
+
+#: Executors register a moment after a session starts: in a session younger than
+#: ``YOUNG_SESSION_S``, ``check`` and ``capacity`` wait up to ``EXECUTOR_WAIT_S`` for enough
+#: slots before counting what there is. An older session's count is taken as it stands.
+EXECUTOR_WAIT_S = 5.0
+YOUNG_SESSION_S = 120.0
+#: After a cancel, how long the supervisors get to stop their ranks and end their tasks (which
+#: keeps every rank's outcome, e.g. the failed rank's traceback) before Spark kills the tasks.
+#: The supervisors' SIGKILL comes after ``rank.TERM_GRACE_S`` (2 s), Spark's kill of a task's
+#: Python worker within about 4 s more: both inside the 10 s the contract allows.
+CANCEL_GRACE_S = 4.0
+
+_Fields = dict[str, Any]
+_Task = Callable[[Iterable[Any]], Iterator[tuple[int, _Fields]]]
+
+
+def active_session() -> Any:
+    """The notebook's active SparkSession, or a clear error saying how to get one."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        raise ImportError(
+            "the Spark backend needs pyspark: pip install 'nbdist[spark]' (or run local ranks "
+            "with --backend local)"
+        ) from None
+    session = SparkSession.getActiveSession()
+    if session is None:
+        raise ValueError(
+            "the Spark backend (--backend spark) needs an active SparkSession and there is none: "
+            "create one first (spark = SparkSession.builder.getOrCreate()), or run local ranks "
+            "with --backend local"
+        )
+    return session
+
+
+def _context(session: Any) -> Any:
+    try:
+        return session.sparkContext
+    except Exception:  # Spark Connect sessions have no SparkContext (and no RDDs)
+        raise LaunchError(
+            "this SparkSession is a Spark Connect session, which cannot run barrier stages: the "
+            "Spark backend needs a classic session with a SparkContext (on Databricks: a "
+            "cluster in dedicated / single-user access mode). -np -N runs N local ranks on the "
+            "driver instead."
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """What the cluster can run at once, and where the numbers come from."""
+
+    master: str
+    executors: int
+    cores: int  # cores of all executors
+    task_cpus: int  # spark.task.cpus
+    gpus: int  # GPU addresses of all executors
+    task_gpus: float  # spark.task.resource.gpu.amount; 0 when not set
+    slots: int  # barrier tasks that fit at once: what Spark's own barrier check counts
+    cpu_slots: int
+    gpu_slots: int | None  # None without a task GPU resource
+    estimated: bool = False  # Spark's own count was out of reach; slots is from the conf
+
+    def limit(self) -> str:
+        """Which resource bounds ``slots``, in words."""
+        cpu = (
+            f"{self._executors()} with {self.cores} cores in all, "
+            f"spark.task.cpus={self.task_cpus}"
+        )
+        if self.gpu_slots is not None and self.gpu_slots < self.cpu_slots:
+            return (
+                f"limited by GPUs: {self._executors()} with {self.gpus} GPUs in all, "
+                f"spark.task.resource.gpu.amount={self.task_gpus:g}; the CPU cores alone "
+                f"would allow {self.cpu_slots}"
+            )
+        return f"limited by CPU cores: {cpu}"
+
+    def _executors(self) -> str:
+        return f"{self.executors} executor{'s' if self.executors != 1 else ''}"
+
+    def describe(self) -> str:
+        gpus = (
+            f", {self.gpus} GPUs (spark.task.resource.gpu.amount={self.task_gpus:g})"
+            if self.task_gpus else (f", {self.gpus} GPUs not usable by tasks "
+                                    f"(spark.task.resource.gpu.amount is not set)"
+                                    if self.gpus else ", no GPUs")
+        )
+        how = "estimated from the configuration" if self.estimated else "as Spark counts them"
+        return (
+            f"Spark {self.master}: {self._executors()}, {self.cores} cores "
+            f"(spark.task.cpus={self.task_cpus}){gpus} -> {self.slots} barrier task slots "
+            f"({how})"
+        )
+
+
+def read_cluster(sc: Any) -> ClusterInfo:
+    """Count the cluster's barrier slots now (no waiting).
+
+    ``slots`` is ``SparkContext.maxNumConcurrentTasks`` for the default resource profile: the
+    very number Spark's barrier check (SPARK-24819) compares a stage with, so a stage that
+    passes here is not caught in Spark's ten-minute retry loop. The per-executor numbers come
+    from Spark's status store and only explain it. Both are JVM internals reached through py4j;
+    when they are out of reach (another Spark build), the numbers come from the configuration.
+    """
+    conf = sc.getConf()
+    task_cpus = max(1, int(conf.get("spark.task.cpus", "1") or 1))
+    task_gpus = float(conf.get("spark.task.resource.gpu.amount", "0") or 0)
+    master = str(sc.master)
+    try:
+        jsc = sc._jsc.sc()
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        slots = int(jsc.maxNumConcurrentTasks(profile))
+        listed = jsc.statusStore().executorList(True)
+        executors = cores = gpus = cpu_slots = 0
+        gpu_slots = 0
+        for i in range(listed.size()):
+            summary = listed.apply(i)
+            n_cores = int(summary.totalCores())
+            if n_cores <= 0:  # the driver, in cluster mode: it runs no tasks
+                continue
+            found = summary.resources().get("gpu")
+            n_gpus = len(list(found.get().addresses())) if found.isDefined() else 0
+            executors += 1
+            cores += n_cores
+            gpus += n_gpus
+            cpu_slots += n_cores // task_cpus
+            if task_gpus:
+                gpu_slots += math.floor(n_gpus / task_gpus + 1e-9)
+        estimated = False
+    except Exception:  # py4j errors: JVM internals this Spark build lacks or does not allow
+        executors = 1
+        try:  # the block managers: the driver's and one per executor (the same one locally)
+            executors = max(1, int(sc._jsc.sc().getExecutorMemoryStatus().size()) - 1)
+        except Exception:
+            pass
+        cores = int(sc.defaultParallelism)  # all executors' cores, unless set by the user
+        gpus = 0
+        cpu_slots = slots = cores // task_cpus
+        gpu_slots = 0
+        estimated = True
+    return ClusterInfo(
+        master=master, executors=executors, cores=cores, task_cpus=task_cpus, gpus=gpus,
+        task_gpus=task_gpus, slots=slots, cpu_slots=cpu_slots,
+        gpu_slots=gpu_slots if task_gpus else None, estimated=estimated,
+    )
+
+
+class SparkLauncher:
+    """Ranks as the tasks of one Spark barrier stage; see the module docstring.
+
+    Parameters
+    ----------
+    session : pyspark.sql.SparkSession, optional
+        Default: the active session (the notebook's ``spark`` on Databricks).
+    """
+
+    name = "spark"
+
+    def __init__(self, session: Any = None) -> None:
+        self._session = active_session() if session is None else session
+        self._sc = _context(self._session)
+        self._lock = threading.Lock()
+        self._group: str | None = None
+        self._cancelled = False
+        self._killed = False  # Spark's job group was cancelled: lost tasks were killed by us
+        self._finished = threading.Event()
+
+    # -- capacity ---------------------------------------------------------------------------
+    def cluster(self, want: int = 1) -> ClusterInfo:
+        """The cluster's numbers, once ``want`` slots are there or it is no use waiting.
+
+        Executors register a moment after a session starts: a young session gets up to
+        ``EXECUTOR_WAIT_S`` for them. A local master's slots are fixed from the start.
+        """
+        sc = self._sc
+        age = time.time() - int(sc.startTime) / 1000
+        wait = 0.0 if str(sc.master).startswith("local") else EXECUTOR_WAIT_S
+        deadline = time.monotonic() + (wait if age < YOUNG_SESSION_S else 0.0)
+        while True:
+            info = read_cluster(sc)
+            if info.slots >= want or time.monotonic() >= deadline:
+                return info
+            # Executors register with the driver on their own schedule and Spark offers no
+            # event to wait on from Python: poll its registry, briefly.
+            time.sleep(0.1)
+
+    def driver_host(self) -> str:
+        """``spark.driver.host``: the address at which executors already reach the driver."""
+        host = self._sc.getConf().get("spark.driver.host")
+        return str(host) if host else events.hostname_for_peers()
+
+    def capacity(self) -> Capacity:
+        info = self.cluster()
+        return Capacity(
+            slots=info.slots, gpus=info.gpus if info.task_gpus else 0, detail=info.describe()
+        )
+
+    def check(self, np: int, gpu: bool) -> None:
+        conf = self._sc.getConf()
+        master = str(self._sc.master)
+        if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and not (
+            master.startswith("local")
+        ):
+            # Spark refuses barrier stages under dynamic allocation (SPARK-24942): executors
+            # may come and go, so N tasks cannot be promised to start together.
+            raise CapacityError(
+                "this Spark session uses dynamic allocation (spark.dynamicAllocation.enabled="
+                "true), and Spark cannot run barrier stages with it: executors come and go, so "
+                f"{np} ranks cannot be promised to start together. Use a cluster with a fixed "
+                "number of executors (spark.dynamicAllocation.enabled=false; on Databricks: "
+                f"autoscaling off), or -np -{np} for {np} local ranks on the driver."
+            )
+        info = self.cluster(want=np)
+        if gpu:
+            if not info.task_gpus:
+                raise CapacityError(
+                    "--gpu needs a 'gpu' task resource on the Spark cluster, and "
+                    "spark.task.resource.gpu.amount is not set. Set "
+                    "spark.executor.resource.gpu.amount (GPUs per executor), "
+                    "spark.task.resource.gpu.amount=1 (one GPU per task) and a discovery "
+                    "script (spark.executor.resource.gpu.discoveryScript, or "
+                    "spark.worker.resource.gpu.* on a standalone cluster) when the cluster "
+                    "starts; Databricks sets these on GPU clusters. Or use --no-gpu."
+                )
+            if info.task_gpus != 1:
+                raise CapacityError(
+                    "--gpu gives each rank one GPU of its own, which needs "
+                    f"spark.task.resource.gpu.amount=1; it is {info.task_gpus:g} on this "
+                    "cluster. Set it to 1 when the cluster starts, or use --no-gpu."
+                )
+        if info.executors == 0 or info.slots == 0:
+            raise CapacityError(
+                f"asked for {np} ranks, but no executor of this Spark cluster can run a task "
+                f"now ({info.describe()}). Wait for the workers to join (%dist_status shows "
+                f"them), or use -np -{np} for {np} local ranks on the driver."
+            )
+        if np > info.slots:
+            raise CapacityError(
+                f"asked for {np} ranks, but this Spark cluster can run only {info.slots} "
+                f"barrier tasks at once ({info.limit()}), and all {np} must run together. Use "
+                f"-np {max(info.slots, 1)} or fewer, add executors, or -np -{np} for {np} "
+                f"local ranks on the driver."
+            )
+
+    # -- running ----------------------------------------------------------------------------
+    def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
+        from pyspark import InheritableThread
+
+        import nbdist
+
+        group = f"nbdist-{request.job_id}-{secrets.token_hex(4)}"
+        task = _barrier_task(request, nbdist.__version__)
+        guard_stop_button()
+        with self._lock:
+            self._group = group
+        # The stage runs from a thread of its own: the kernel's thread stays free to render and
+        # to take the stop button, and setJobGroup only applies to the thread that submits.
+        thread = InheritableThread(
+            target=self._submit, args=(request, group, task, on_outcome),
+            name=f"nbdist-spark-{request.job_id}", daemon=True,
+        )
+        thread.start()
+
+    def _submit(
+        self, request: LaunchRequest, group: str, task: _Task,
+        on_outcome: Callable[[RankOutcome], None],
+    ) -> None:
+        rows: list[tuple[int, _Fields]] = []
+        error: BaseException | None = None
+        try:
+            sc = self._sc
+            sc.setJobGroup(
+                group, f"nbdist job {request.job_id}: {request.np} ranks", interruptOnCancel=True
+            )
+            if not self._cancelled:
+                rdd = sc.parallelize(range(request.np), request.np).barrier().mapPartitions(task)
+                rows = rdd.collect()
+        except BaseException as exc:  # the stage failed or was cancelled: outcomes below
+            error = exc
+        finally:
+            self._finished.set()
+        outcomes = {rank: _outcome(rank, fields) for rank, fields in rows}
+        culprit = _failed_partition(error) if error is not None else None
+        for rank in range(request.np):
+            outcome = outcomes.get(rank)
+            if outcome is None:
+                outcome = self._lost(rank, error, culprit)
+            on_outcome(outcome)
+
+    def _lost(self, rank: int, error: BaseException | None, culprit: int | None) -> RankOutcome:
+        """The outcome of a rank whose task returned nothing."""
+        if self._killed or (self._cancelled and error is None):
+            return RankOutcome(rank, "cancelled")
+        if error is None:
+            return RankOutcome(rank, "failed", error={
+                "type": "LaunchError", "traceback": "",
+                "message": f"the barrier task of rank {rank} returned no outcome",
+            })
+        if culprit is not None and culprit != rank:
+            return RankOutcome(rank, "cancelled")  # Spark stopped it with the failed stage
+        stage, cause = _spark_reason(error)
+        return RankOutcome(rank, "failed", error={
+            "type": "SparkTaskFailed", "message": f"its Spark task failed: {cause}",
+            "traceback": f"rank {rank}'s Spark task failed: {cause}\n{stage}\n",
+        })
+
+    def cancel(self) -> None:
+        """Stop the ranks: the supervisors first (the job has told them), then Spark's tasks."""
+        with self._lock:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            group = self._group
+        if group is not None:
+            threading.Thread(
+                target=self._cancel_group, args=(group,), name="nbdist-spark-cancel",
+                daemon=True,
+            ).start()
+
+    def _cancel_group(self, group: str) -> None:
+        # The job has asked every connected supervisor to stop its rank; their tasks then end
+        # with an outcome each. Only tasks that do not end in time (not started yet, hung,
+        # unreachable) are killed by Spark, which loses what they would have returned. Only
+        # this job's group is cancelled: other Spark jobs of the session go on.
+        if self._finished.wait(CANCEL_GRACE_S):
+            return
+        self._killed = True
+        self._sc.cancelJobGroup(group)
+
+
+def guard_stop_button() -> None:
+    """Keep the notebook's stop button from cancelling every Spark job of the session.
+
+    pyspark's SparkContext, created in the main thread, installs a SIGINT handler that calls
+    ``cancelAllJobs()`` and raises KeyboardInterrupt. While the kernel waits on an nbdist job,
+    the KeyboardInterrupt alone is wanted: the job cancels its own job group and nothing else.
+    Anywhere else the previous handler runs as before. Installed from the main thread only
+    (where Python allows it), again whenever a new SparkContext replaced it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) or previous is signal.default_int_handler:
+        return  # nothing there that would cancel other jobs
+    if getattr(previous, "_nbdist_guard", False):
+        return
+    from nbdist.job import Job
+
+    waiting = Job.wait.__code__
+
+    def nbdist_sigint(signum: int, frame: FrameType | None) -> Any:
+        current = frame
+        while current is not None:
+            if current.f_code is waiting:
+                raise KeyboardInterrupt
+            current = current.f_back
+        return previous(signum, frame)
+
+    nbdist_sigint._nbdist_guard = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGINT, nbdist_sigint)
+
+
+def _outcome(rank: int, fields: _Fields) -> RankOutcome:
+    """A RankOutcome from a task's fields; fields this nbdist does not know are dropped."""
+    known = {f.name for f in dataclasses.fields(RankOutcome)}
+    kept = {k: v for k, v in fields.items() if k in known and k != "rank"}
+    kept.setdefault("status", "failed")
+    return RankOutcome(rank, **kept)
+
+
+_LOST_TASK = re.compile(r"Lost task (\d+)\.\d+ in stage")
+_BARRIER_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
+
+
+def _failed_partition(error: BaseException) -> int | None:
+    """The partition (= rank) whose task failed the stage, from Spark's message."""
+    text = str(error)
+    for pattern in (_LOST_TASK, _BARRIER_TASK):
+        found = pattern.search(text)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def _spark_reason(error: BaseException) -> tuple[str, str]:
+    """Spark's one-line account of a failed ``collect()`` and the first line of its cause."""
+    java = getattr(error, "java_exception", None)
+    text = str(java) if java is not None else str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    stage = lines[0] if lines else type(error).__name__
+    for prefix in ("org.apache.spark.SparkException: ", "Job aborted due to stage failure: "):
+        stage = stage.removeprefix(prefix)
+    full = str(error).splitlines()
+    cause = next(
+        (line.strip() for line in full if "Python worker exited" in line
+         or "ExecutorLostFailure" in line or "TaskKilled" in line), stage,
+    )
+    cause = cause.removeprefix("org.apache.spark.SparkException: ")
+    return stage[:1000], cause[:1000]
+
+
+# -- the task side: runs inside Spark's Python workers ------------------------------------------
+def _barrier_task(request: LaunchRequest, version: str) -> _Task:
+    """The function each barrier task runs; pickled by value, so it holds plain values only."""
+    job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
+    payload, gpu, env = request.payload, request.gpu, dict(request.env)
+
+    def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        try:
+            from nbdist.launch.spark import run_task
+        except ImportError as exc:  # said here, not as an unpickling error deep in Spark's log
+            import socket
+            import sys
+
+            yield rank, {"status": "failed", "error": {
+                "type": "ImportError", "traceback": "",
+                "message": f"nbdist cannot be imported by the Spark executors' Python "
+                f"({sys.executable} on {socket.gethostname()}): {exc}. Install nbdist "
+                f"{version} where the executors run (on Databricks: a cluster library, or "
+                f"%pip install in the notebook), or point PYSPARK_PYTHON at a Python that "
+                f"has it.",
+            }}
+            return
+        yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version)
+
+    return nbdist_rank
+
+
+def run_task(
+    ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
+    payload: bytes, gpu: bool, env: dict[str, str], version: str,
+) -> _Fields:
+    """Run one rank inside its barrier task with the shared supervisor; its outcome as fields."""
+    import nbdist
+    from nbdist.rank import RankSpec, supervise
+
+    if nbdist.__version__ != version:
+        return {"status": "failed", "error": {
+            "type": "ImportError", "traceback": "",
+            "message": f"the notebook has nbdist {version} but the Spark executors' Python "
+            f"({sys.executable}) has nbdist {nbdist.__version__}: install the same version on "
+            f"both",
+        }}
+    resources = ctx.resources()
+    gpus = tuple(str(a) for a in resources["gpu"].addresses) if gpu and "gpu" in resources else ()
+    spec = RankSpec(
+        rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
+        host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
+        python=sys.executable,
+    )
+    try:
+        outcome = supervise(spec)
+    except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
+        outcome = RankOutcome(rank, "failed", error={
+            "type": type(exc).__name__, "traceback": traceback.format_exc(),
+            "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
+        })
+    return dataclasses.asdict(outcome)
+
+
+def _task_host(ctx: Any, rank: int) -> str:
+    """This executor's address as the other ranks should use it (MASTER_ADDR, host grouping).
+
+    ``SPARK_LOCAL_IP`` when the cluster sets it (the address Spark itself was told to use on
+    this machine), else the executor's address as the driver sees it (what TorchDistributor
+    uses for MASTER_ADDR).
+    """
+    local_ip = os.environ.get("SPARK_LOCAL_IP", "")
+    if local_ip and local_ip not in ("0.0.0.0", "::"):
+        return local_ip
+    address = str(ctx.getTaskInfos()[rank].address)
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _worker_pythonpath() -> dict[str, str]:
+    """PYTHONPATH for the rank: what the Python worker imports from besides its installation.
+
+    Files shipped with ``addPyFile`` or ``--py-files`` are put on the worker's ``sys.path`` at
+    run time, not in its environment; the rank's fresh interpreter would not see them.
+    """
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    keep = [
+        entry for entry in sys.path
+        if entry and os.path.exists(entry) and not entry.startswith(prefixes)
+        and "site-packages" not in entry and "dist-packages" not in entry
+    ]
+    old = os.environ.get("PYTHONPATH", "")
+    paths = list(dict.fromkeys([*keep, *(p for p in old.split(os.pathsep) if p)]))
+    return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}

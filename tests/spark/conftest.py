@@ -1,0 +1,311 @@
+"""Real Spark for the Spark backend's tests: a ``local[2]`` session and a standalone cluster.
+
+A JVM runs one SparkContext at a time, so :class:`Sparks` hands out one session at a time:
+``local()`` gives a ``local[2]`` session, ``standalone()`` a session on a standalone cluster
+started from pyspark's own ``bin/spark-class`` (a master and two workers with three cores and
+two fake GPUs each, on loopback addresses only: the second worker on 127.0.0.2 so that the
+ranks really are on two hosts). Asking for one kind stops the other; each test module uses one
+kind, so there is at most one switch per module. When any selected test needs the cluster,
+its processes start with the package, so it comes up while the local-session tests run.
+Everything is stopped after the package's last test: the tests that follow see no session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pyspark
+import pytest
+from pyspark.sql import SparkSession
+
+from nbdist.events import free_port
+from nbdist.launch.spark import read_cluster
+
+from ..conftest import GONE_WITHIN_S
+
+#: Environment variable that marks every process started by this test session, so that rank
+#: interpreters are found even after they lost their parent (the case the tests provoke).
+MARK = "NBDIST_SPARK_TEST_MARK"
+#: The standalone cluster: workers (address, cores, fake GPU addresses).
+WORKERS = (("127.0.0.1", 3, ["0", "1"]), ("127.0.0.2", 3, ["0", "1"]))
+CLUSTER_START_S = 180.0
+
+_COMMON_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    # Spark's own barrier slot check, made fast, only as a safety net: nbdist's pre-check
+    # must catch a too-large job first (the tests check that no Spark job started).
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "1",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "100ms",
+}
+
+
+def marked_rank_processes(mark: str) -> list[psutil.Process]:
+    """Rank interpreters (and what they started) of this test session, anywhere on the machine."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or ())
+            if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get(MARK) != mark:
+                continue
+            if "nbdist.runtime" in cmd or any(
+                "nbdist.runtime" in " ".join(p.cmdline()) for p in proc.parents()
+            ):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+class Cluster:
+    """A standalone master and workers, started from pyspark's scripts; ``stop()`` ends them."""
+
+    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        home = os.path.dirname(pyspark.__file__)
+        self._spark_class = os.path.join(home, "bin", "spark-class")
+        self._env = {**env, "SPARK_HOME": home, "SPARK_LOG_DIR": str(workdir),
+                     "SPARK_NO_DAEMONIZE": "1"}
+        self.port = free_port("127.0.0.1")
+        self.ui_port = free_port("127.0.0.1")
+        self.url = f"spark://127.0.0.1:{self.port}"
+
+    def launch(self) -> None:
+        """Start the master and workers; :meth:`wait` blocks until the workers have joined."""
+        self._run("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                             "--port", str(self.port), "--webui-port", str(self.ui_port)],
+                  SPARK_LOCAL_IP="127.0.0.1")
+        for i, (host, cores, gpus) in enumerate(WORKERS):
+            script = self.workdir / f"gpus{i}.sh"
+            script.write_text(
+                "#!/bin/sh\n"
+                f"echo '{json.dumps({'name': 'gpu', 'addresses': gpus})}'\n"
+            )
+            script.chmod(0o755)
+            work = self.workdir / f"worker{i}"
+            work.mkdir()
+            self._run(
+                f"worker{i}",
+                ["org.apache.spark.deploy.worker.Worker", "--host", host, "--webui-port", "0",
+                 "--cores", str(cores), "--memory", "2g", "--work-dir", str(work), self.url],
+                SPARK_LOCAL_IP=host,
+                SPARK_WORKER_OPTS=f"-Dspark.worker.resource.gpu.amount={len(gpus)} "
+                f"-Dspark.worker.resource.gpu.discoveryScript={script}",
+            )
+
+    def _run(self, name: str, args: list[str], **env: str) -> None:
+        with open(self.workdir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                [self._spark_class, *args], env={**self._env, **env}, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.procs.append((name, proc))
+
+    def wait(self) -> None:
+        n = len(WORKERS)
+        deadline = time.monotonic() + CLUSTER_START_S
+        while True:
+            for name, proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the standalone {name} exited:\n{self.log(name)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/") as r:
+                    status = json.load(r)
+                if sum(w["state"] == "ALIVE" for w in status["workers"]) >= n:
+                    return
+            except (OSError, ValueError):
+                pass  # the master's web UI is not up yet, or answered before it was ready
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the standalone cluster did not come up:\n{self.log('master')}")
+            time.sleep(0.2)  # the master offers nothing to block on but its status page
+
+    def log(self, name: str) -> str:
+        text = (self.workdir / f"{name}.log").read_text(errors="replace")
+        return "\n".join(text.splitlines()[-40:])
+
+    def stop(self) -> None:
+        # Workers first: they kill their executors in their shutdown hook.
+        for _, proc in reversed(self.procs):
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=20)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Sparks:
+    """One Spark session at a time, of the kind asked for."""
+
+    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+        self.workdir = workdir
+        self.env = env
+        self.kind: str | None = None
+        self.session: SparkSession | None = None
+        self.cluster: Cluster | None = None
+
+    def local(self) -> SparkSession:
+        return self._get("local")
+
+    def standalone(self) -> SparkSession:
+        return self._get("standalone")
+
+    def _get(self, kind: str) -> SparkSession:
+        if self.kind == kind and self.session is not None:
+            return self.session
+        self.stop_session()
+        builder = SparkSession.builder.appName(f"nbdist-tests-{kind}")
+        for key, value in _COMMON_CONF.items():
+            builder = builder.config(key, value)
+        if kind == "local":
+            builder = builder.master("local[2]")
+            executors = 1
+        else:
+            self.launch_cluster()
+            assert self.cluster is not None
+            self.cluster.wait()
+            cores = WORKERS[0][1]
+            builder = (
+                builder.master(self.cluster.url)
+                .config("spark.executor.cores", str(cores))
+                .config("spark.cores.max", str(cores * len(WORKERS)))
+                .config("spark.executor.memory", "512m")
+                .config("spark.executor.resource.gpu.amount", str(len(WORKERS[0][2])))
+                .config("spark.task.resource.gpu.amount", "1")
+            )
+            executors = len(WORKERS)
+        session = builder.getOrCreate()
+        session.sparkContext.setLogLevel("ERROR")
+        self.kind, self.session = kind, session
+        _wait_executors(session, executors)
+        return session
+
+    def launch_cluster(self) -> None:
+        """Start the standalone cluster's processes, without waiting for them."""
+        if self.cluster is None:
+            self.cluster = Cluster(self.workdir, self.env)
+            self.cluster.launch()
+
+    def stop_session(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+        self.kind = self.session = None
+
+    def stop(self) -> None:
+        self.stop_session()
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
+def _wait_executors(session: SparkSession, n: int) -> None:
+    deadline = time.monotonic() + CLUSTER_START_S
+    while read_cluster(session.sparkContext).executors < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{n} executors did not register with the test session")
+        time.sleep(0.1)  # executors register on their own schedule
+
+
+@pytest.fixture(scope="package")
+def spark_mark() -> Iterator[str]:
+    """The environment every Spark process of these tests inherits (set before the JVM starts)."""
+    mark = uuid.uuid4().hex
+    env = {
+        # Without this, Spark picks the machine's outside address.
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        # Executors run this interpreter (the one with nbdist, torch and pyspark).
+        "PYSPARK_PYTHON": sys.executable,
+        MARK: mark,
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    yield mark
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="package")
+def sparks(
+    spark_mark: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Sparks]:
+    """The package's Spark sessions and standalone cluster, all stopped after its last test."""
+    if shutil.which("java") is None:
+        pytest.fail("the Spark tests need Java 17 (apt-get install openjdk-17-jre-headless)")
+    sigint = signal.getsignal(signal.SIGINT)  # a SparkContext installs its own handler
+    manager = Sparks(tmp_path_factory.mktemp("spark"), dict(os.environ))
+    if any("spark_cluster" in item.fixturenames for item in request.session.items):
+        manager.launch_cluster()  # it comes up while the local-session tests run
+    yield manager
+    manager.stop()
+    signal.signal(signal.SIGINT, sigint)
+
+
+@pytest.fixture(scope="module")
+def spark_local(sparks: Sparks) -> SparkSession:
+    """A ``local[2]`` session: two task slots, no GPUs."""
+    return sparks.local()
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(sparks: Sparks) -> SparkSession:
+    """A session on the standalone cluster: 2 executors × (3 cores, 2 fake GPUs), 4 slots."""
+    return sparks.standalone()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(spark_mark: str) -> Iterator[None]:
+    """After each Spark test, no rank interpreter of this session is left anywhere (10 s).
+
+    Replaces the suite-wide guard: Spark's own processes (the JVM, its Python daemon and
+    reused workers) rightly outlive a test, and a rank whose Spark worker was killed is no
+    longer a descendant of the test process, so ranks are found by the mark they inherit.
+    """
+    from nbdist.launch.local import pool
+
+    yield
+    pool.clear()  # warm local interpreters are meant to outlive a job, not a test
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (left := marked_rank_processes(spark_mark)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    described = {p.pid: " ".join(p.cmdline()[:4]) for p in left if p.is_running()}
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not described, f"rank processes left running after the test: {described}"
+
+
+def spark_job_ids(session: SparkSession, probe: str) -> int:
+    """Run a trivial Spark job in group ``probe`` and return its id (ids count every job)."""
+    sc = session.sparkContext
+    sc.setJobGroup(probe, "nbdist test probe")
+    try:
+        sc.parallelize([0], 1).count()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+    (job_id,) = sc.statusTracker().getJobIdsForGroup(probe)
+    return int(job_id)
