@@ -1,13 +1,133 @@
-"""``%dist_status`` as text: the kernel's jobs, one job's ranks, the backend's capacity."""
+"""``%dist_status`` and the pieces of text and HTML every view shares.
+
+Each report renders as plain text (terminal IPython, ``print``) and as HTML (notebooks, through
+``_repr_html_``). Everything user-controlled (output lines, hosts, metric names) is escaped.
+"""
 
 from __future__ import annotations
 
+import html
+import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nbdist.state import JobState
+from nbdist.state import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINAL,
+    PENDING,
+    RUNNING,
+    STARTING,
+    JobState,
+    RankState,
+)
+
+if TYPE_CHECKING:
+    from nbdist.launch import Capacity
+
+STATE_COLORS = {
+    PENDING: "#9e9e9e", STARTING: "#5c6bc0", RUNNING: "#1e88e5",
+    DONE: "#2e7d32", FAILED: "#c62828", CANCELLED: "#ef6c00",
+}
+#: Rows of a static summary or a ranks report before the rest is summed up in one line.
+MAX_TABLE_ROWS = 64
+#: Lines of output (all ranks, merged) kept in the static summary of a finished job.
+SUMMARY_LOG_LINES = 200
+LAST_LINE_CHARS = 60
 
 
+# -- small formatters -----------------------------------------------------------------------------
+def _num(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def progress_text(bar: dict[str, Any]) -> str:
+    """``desc: n/total · rate · ETA`` for one progress bar (plain text, already safe as HTML)."""
+    n, total, rate = bar.get("n") or 0, bar.get("total"), bar.get("rate")
+    text = f"{n}/{_num(total)}" if total else f"{n} it"
+    if isinstance(rate, (int, float)) and rate > 0:
+        text += f" · {rate:.3g} it/s" if rate >= 1 else f" · {1 / rate:.3g} s/it"
+        if isinstance(total, (int, float)) and total > n:
+            text += f" · ETA {_duration((total - n) / rate)}"
+    desc = bar.get("desc")
+    return html.escape(f"{desc}: {text}" if desc else text)
+
+
+def metrics_text(metrics: dict[str, Any]) -> str:
+    """``loss=0.3121 acc=0.91`` (escaped)."""
+    return html.escape(" ".join(f"{k}={_num(v)}" for k, v in metrics.items()))
+
+
+def _counts(job: JobState) -> str:
+    order = (PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED)
+    counts = job.counts()
+    return ", ".join(f"{counts[s]} {s}" for s in order if counts.get(s))
+
+
+def _last(r: RankState, limit: int = LAST_LINE_CHARS) -> str:
+    last = r.status_line or r.last_line
+    return (last[:limit] + "...") if len(last) > limit else last
+
+
+def _badge(state: str) -> str:
+    color = STATE_COLORS.get(state, "#777")
+    return (f'<span style="background:{color};color:white;padding:0 4px;border-radius:3px">'
+            f"{html.escape(state)}</span>")
+
+
+def _elapsed(job: JobState) -> str:
+    # While running, whole seconds: the header is re-rendered every tick, and a value that
+    # does not change sends no message.
+    return f"{job.elapsed:.1f} s" if job.state in FINAL else f"{job.elapsed:.0f} s"
+
+
+def header_html(job: JobState) -> str:
+    """The panel's header: job, backend, np, state, elapsed, failed ranks, and why it ended."""
+    parts = [f"<b>nbdist job {html.escape(job.id)}</b>", html.escape(job.backend),
+             f"{job.np} ranks", _badge(job.state), _elapsed(job), html.escape(_counts(job))]
+    failed = job.failed_ranks
+    if failed:
+        parts.append(f"<b style='color:#c62828'>failed ranks: {_ranks(failed)}</b>")
+    text = " · ".join(parts)
+    if job.state in FINAL and job.reason:
+        text += f"<br><span style='color:#555'>{html.escape(job.reason.splitlines()[0])}</span>"
+    return text
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ", ".join(map(str, ranks[:20]))
+    return shown + (f" and {len(ranks) - 20} more" if len(ranks) > 20 else "")
+
+
+def collapsed_summary(job: JobState) -> str:
+    """One line for a job with too many ranks to show each: states and progress spread."""
+    fractions = []
+    for r in job.ranks:
+        bar = r.progress.get(r.bar) if r.bar is not None else None
+        if bar and isinstance(bar.get("total"), (int, float)) and bar["total"]:
+            fractions.append(min(1.0, (bar.get("n") or 0) / bar["total"]))
+    text = f"{job.np} ranks: {_counts(job)}"
+    if fractions:
+        text += (f" · progress min {min(fractions):.0%}, median "
+                 f"{statistics.median(fractions):.0%}, max {max(fractions):.0%} "
+                 f"({len(fractions)} ranks reporting)")
+    lines = sum(r.lines for r in job.ranks)
+    text += f" · {lines} lines of output"
+    return html.escape(text) + "<br><span style='color:#777'>rows below: rank 0, failed ranks, " \
+        "then the slowest ranks</span>"
+
+
+# -- tables ---------------------------------------------------------------------------------------
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     body = [[("" if c is None else str(c)) for c in r] for r in rows]
     cells = [[str(c) for c in header], *body]
@@ -19,25 +139,190 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
+                raw: frozenset[int] = frozenset()) -> str:
+    """An HTML table; cells are escaped unless their column is in ``raw``."""
+    head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        "<tr>" + "".join(
+            f"<td style='text-align:left'>"
+            f"{c if i in raw else html.escape('' if c is None else str(c))}</td>"
+            for i, c in enumerate(row)
+        ) + "</tr>"
+        for row in rows
+    )
+    return (f"<table class='nbdist-table'><thead><tr>{head}</tr></thead>"
+            f"<tbody>{body}</tbody></table>")
+
+
+_JOB_COLUMNS = ("job", "backend", "np", "state", "elapsed", "failed ranks", "result ready")
+
+
+def _result_ready(job: JobState) -> str:
+    if job.state == DONE:
+        return "yes"
+    return "no" if job.state in FINAL else "-"
+
+
+def _job_row(j: JobState) -> list[Any]:
+    return [j.id, j.backend, j.np, j.state, f"{j.elapsed:.1f} s",
+            ",".join(map(str, j.failed_ranks)) or "-", _result_ready(j)]
+
+
 def jobs_table(jobs: Sequence[JobState]) -> str:
     if not jobs:
         return "no nbdist jobs in this kernel yet"
-    rows = [
-        (j.id, j.backend, j.np, j.state, f"{j.elapsed:.1f} s",
-         ",".join(map(str, j.failed_ranks)) or "-")
-        for j in jobs
-    ]
-    return _table(("job", "backend", "np", "state", "elapsed", "failed ranks"), rows)
+    return _table(_JOB_COLUMNS, [_job_row(j) for j in jobs])
+
+
+_RANK_COLUMNS = ("rank", "state", "host", "pid", "gpu", "exit", "progress", "last line")
+
+
+def _rank_row(r: RankState) -> list[Any]:
+    bar = r.progress.get(r.bar) if r.bar is not None else None
+    return [r.rank, r.state, r.host, r.pid, r.gpu or "-", r.exit_code,
+            html.unescape(progress_text(bar)) if bar else "", _last(r)]
+
+
+def _rank_rows(job: JobState) -> tuple[list[list[Any]], int]:
+    rows = [_rank_row(r) for r in job.ranks[:MAX_TABLE_ROWS]]
+    return rows, max(0, job.np - MAX_TABLE_ROWS)
+
+
+def _job_head(job: JobState) -> str:
+    return f"job {job.id}: {job.np} ranks on {job.backend}, {job.state}, {job.elapsed:.1f} s"
 
 
 def ranks_table(job: JobState) -> str:
-    rows = []
-    for r in job.ranks:
-        last = r.last_line or r.status_line
-        rows.append((r.rank, r.state, r.host, r.pid, r.gpu or "-", r.exit_code,
-                     (last[:60] + "...") if len(last) > 60 else last))
-    head = f"job {job.id}: {job.np} ranks on {job.backend}, {job.state}, {job.elapsed:.1f} s"
+    head = _job_head(job)
     if job.reason:
         head += f"\n{job.reason.splitlines()[0]}"
-    table = _table(("rank", "state", "host", "pid", "gpu", "exit", "last line"), rows)
+    rows, more = _rank_rows(job)
+    table = _table(_RANK_COLUMNS, rows)
+    if more:
+        table += f"\n... and {more} more ranks ({_counts(job)})"
     return head + "\n" + table
+
+
+def _log_tail(job: JobState) -> tuple[list[str], int]:
+    """The last lines of all ranks as ``[rank N] text``, and how many earlier ones are left out."""
+    with job.lock:
+        merged = list(job.merged)[-SUMMARY_LOG_LINES:]
+        total = job.seq
+    width = len(str(max(job.np - 1, 0)))
+    return [f"[rank {ln.rank:>{width}}] {ln.text}" for ln in merged], total - len(merged)
+
+
+def summary_text(job: JobState) -> str:
+    """A job at its end, as plain text: its last lines of output, a summary line, its ranks.
+
+    This is what a notebook keeps for renderers without widgets (a saved notebook reopened
+    without widget state, nbconvert to text), so it reads like the text view.
+    """
+    lines, skipped = _log_tail(job)
+    head = [f"[nbdist] ... {skipped} earlier lines not kept here"] if skipped else []
+    counts = _counts(job)
+    line = f"[nbdist] job {job.id}: {job.state} in {job.elapsed:.1f} s on {job.backend} ({counts})"
+    if job.reason:
+        line += f"\n{job.reason.splitlines()[0]}"
+    rows, more = _rank_rows(job)
+    table = _table(_RANK_COLUMNS, rows)
+    if more:
+        table += f"\n... and {more} more ranks"
+    return "\n".join([*head, *lines, line, table])
+
+
+def summary_html(job: JobState) -> str:
+    """The same as :func:`summary_text` as HTML, for the notebook once the job ended."""
+    rows, more = _rank_rows(job)
+    for row in rows:
+        row[1] = _badge(str(row[1]))
+    table = _html_table(_RANK_COLUMNS, rows, raw=frozenset({1}))
+    if more:
+        table += f"<div>… and {more} more ranks</div>"
+    lines, skipped = _log_tail(job)
+    note = f"last {len(lines)} of {len(lines) + skipped} lines" if skipped else \
+        f"{len(lines)} lines"
+    log = html.escape("\n".join(lines))
+    return (f"<div class='nbdist-summary-static'>{header_html(job)}"
+            f"<details><summary>ranks</summary>{table}</details>"
+            f"<details><summary>output ({note})</summary>"
+            f"<pre style='max-height:20em;overflow:auto'>{log}</pre></details></div>")
+
+
+# -- %dist_status ---------------------------------------------------------------------------------
+class _Report:
+    def _text(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self._text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self._text())
+
+
+class JobsReport(_Report):
+    """``%dist_status``: this kernel's jobs and the capacity of the backends in use.
+
+    Parameters
+    ----------
+    jobs : sequence of JobState
+    capacities : sequence of (backend name, Capacity)
+    rejected : int
+        Connections the event server refused (bad secret or malformed).
+    """
+
+    def __init__(self, jobs: Sequence[JobState], capacities: Sequence[tuple[str, Capacity]],
+                 rejected: int = 0) -> None:
+        self.jobs = list(jobs)
+        self.capacities = list(capacities)
+        self.rejected = rejected
+
+    def _capacity_lines(self) -> list[str]:
+        lines = [f"capacity ({name}): {c.slots} ranks at once, {c.gpus} GPUs — {c.detail}"
+                 for name, c in self.capacities]
+        if self.rejected:
+            lines.append(f"event channel: {self.rejected} connections rejected (bad secret or "
+                         f"malformed)")
+        return lines
+
+    def _text(self) -> str:
+        return "\n".join([jobs_table(self.jobs), "", *self._capacity_lines()])
+
+    def _repr_html_(self) -> str:
+        if self.jobs:
+            rows = []
+            for j in self.jobs:
+                row = _job_row(j)
+                row[3] = _badge(j.state)
+                rows.append(row)
+            table = _html_table(_JOB_COLUMNS, rows, raw=frozenset({3}))
+        else:
+            table = "<p>no nbdist jobs in this kernel yet</p>"
+        caps = "".join(f"<div>{html.escape(line)}</div>" for line in self._capacity_lines())
+        return f"<div class='nbdist-status'>{table}{caps}</div>"
+
+
+class RanksReport(_Report):
+    """``%dist_status JOB``: one job's ranks (state, host, pid, GPU, exit code, last lines)."""
+
+    def __init__(self, job: JobState) -> None:
+        self.job = job
+
+    def _text(self) -> str:
+        return ranks_table(self.job)
+
+    def _repr_html_(self) -> str:
+        job = self.job
+        with job.lock:
+            rows, more = _rank_rows(job)
+            tails = {r.rank: [ln.text for ln in list(r.log)[-5:]] for r in job.ranks[:len(rows)]}
+        for row in rows:
+            rank = int(row[0])
+            row[1] = _badge(str(row[1]))
+            lines = tails[rank] or [str(row[7])]
+            row[7] = "<pre style='margin:0'>" + html.escape("\n".join(lines)) + "</pre>"
+        table = _html_table((*_RANK_COLUMNS[:-1], "last lines"), rows, raw=frozenset({1, 7}))
+        more_html = f"<div>… and {more} more ranks</div>" if more else ""
+        return f"<div class='nbdist-status'>{header_html(job)}{table}{more_html}</div>"

@@ -1,33 +1,60 @@
 """The text view: rank-labelled output lines while the job runs, then a one-line summary.
 
-Works everywhere (terminal IPython, nbconvert, a saved notebook). It is called from the
-thread that waits for the job, about ten times a second, and prints only what is new.
+Works everywhere (terminal IPython, nbconvert, a saved notebook). ``update`` prints only what
+is new; call it from the thread that waits for the job (about ten times a second), or let
+``start`` call it from a thread of its own (``--bg``). Progress bars and metrics, which have
+no line of their own, are printed when they changed, at most every ``STATUS_EVERY_S``.
 """
 
 from __future__ import annotations
 
+import contextvars
+import html
 import sys
+import threading
 import time
 from typing import TextIO
 
-from nbdist.state import JobState
+from nbdist.state import FINAL, JobState, RankState
+from nbdist.views import status
 
-#: A rank's self-drawn progress line (``\r``) is reprinted at most this often.
+#: A rank's progress, metrics or self-drawn (``\r``) line is reprinted at most this often.
 STATUS_EVERY_S = 2.0
+#: Updates per second when the view runs on its own thread.
+RATE_HZ = 10.0
 
 
 class TextView:
+    """Prints a job's output as ``[rank N] line``; see the module docstring.
+
+    Parameters
+    ----------
+    job : JobState
+        The state to render; the view only reads it.
+    stream : file, optional
+        Where to print; default: ``sys.stdout`` at the time of each write.
+    """
+
     def __init__(self, job: JobState, stream: TextIO | None = None) -> None:
         self.job = job
         self.stream = stream
         self._seq = 0
         self._status: dict[int, tuple[str, float]] = {}
         self._width = len(str(max(job.np - 1, 0)))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def _out(self) -> TextIO:
         return self.stream or sys.stdout
 
     def update(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._update()
+
+    def _update(self, *, final: bool = False) -> None:
         lines, skipped = self.job.lines_since(self._seq)
         out = self._out()
         if skipped:
@@ -37,21 +64,75 @@ class TextView:
             out.write(f"[rank {line.rank:>{self._width}}] {line.text}\n")
             self._seq = line.seq
         now = time.monotonic()
-        for r in self.job.ranks:
-            text = r.status_line
-            shown, when = self._status.get(r.rank, ("", 0.0))
-            if text and text != shown and now - when >= STATUS_EVERY_S:
-                out.write(f"[rank {r.rank:>{self._width}}] {text}\n")
-                self._status[r.rank] = (text, now)
-        if lines or skipped:
+        wrote = bool(lines or skipped)
+        with self.job.lock:
+            states = [(r.rank, _status_of(r)) for r in self.job.ranks]
+        for rank, text in states:
+            shown, when = self._status.get(rank, ("", 0.0))
+            if text and text != shown and (final or now - when >= STATUS_EVERY_S):
+                out.write(f"[rank {rank:>{self._width}}] {text}\n")
+                self._status[rank] = (text, now)
+                wrote = True
+        if wrote:
             out.flush()
 
+    def start(self) -> None:
+        """Print from a background thread until the job is over, then print the summary."""
+        if self._thread is None:
+            # In the caller's context: ipykernel keeps the cell an output belongs to in a
+            # context variable, so what this thread displays or prints lands in the cell that
+            # started the job, not in whichever cell runs when the job ends (--bg).
+            ctx = contextvars.copy_context()
+            self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
+                                            name=f"nbdist-text-{self.job.id}")
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.update()
+            if self.job.state in FINAL and self.job.ended is not None:
+                break
+            self._stop.wait(1.0 / RATE_HZ)
+        self._close()
+
     def close(self) -> None:
-        self.update()
-        self._out().write(summary(self.job) + "\n")
-        self._out().flush()
+        """Print what is left and the summary (once)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._update(final=True)
+            self._closed = True
+            self._out().write(summary(self.job) + "\n")
+            self._out().flush()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _status_of(r: RankState) -> str:
+    """A rank's progress, metrics and self-drawn line, as one line of text."""
+    parts = []
+    bar = r.progress.get(r.bar) if r.bar is not None else None
+    if bar:
+        parts.append(html.unescape(status.progress_text(bar)))
+    if r.metrics:
+        parts.append(html.unescape(status.metrics_text(r.metrics)))
+    if r.status_line:
+        parts.append(r.status_line)
+    return " · ".join(parts)
 
 
 def summary(job: JobState) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(job.counts().items()))
-    return f"[nbdist] job {job.id}: {job.state} in {job.elapsed:.1f} s on {job.backend} ({counts})"
+    text = f"[nbdist] job {job.id}: {job.state} in {job.elapsed:.1f} s on {job.backend} ({counts})"
+    if job.failed_ranks:
+        text += f"; failed ranks: {', '.join(map(str, job.failed_ranks))}"
+    return text

@@ -1,0 +1,368 @@
+"""The live panel (ipywidgets 8): one row per rank, per-rank and merged logs, a header.
+
+Hazards this module is built around (measured in a real JupyterLab, see the design notes):
+
+- Every widget update is a message through the kernel's IOPub channel, and Jupyter drops
+  messages above about 100 updates/s per widget group. So nothing is rendered per event: one
+  flusher thread renders the *latest* state about ten times a second, sets only values that
+  changed (traitlets send nothing for an unchanged value) and pushes the final state once.
+- Text widgets are resent whole on every change, so logs are rendered from the ring buffers
+  of :mod:`nbdist.state`, cut to the last ``LOG_VIEW_LINES`` lines, and only the pane shown by
+  default (rank 0) and the merged pane are refreshed on every tick; the other ranks' panes are
+  refreshed in turn, one per tick.
+- ``with out: print()`` from several threads mixes outputs between widgets; this module never
+  captures output, it sets widget values, which is safe from any thread.
+- While a cell runs in the foreground the kernel processes no message from the page, so
+  nothing here depends on a click reaching the kernel while the job runs; the rank selector of
+  a large job works once the kernel is idle (after the cell, or with ``--bg``).
+- Widget state is not saved with the notebook by default, so when the job ends the panel
+  also fills a static output (HTML and plain text) that a reopened notebook still shows.
+
+Importing this module imports ipywidgets; the magics import it only when a panel is shown.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import html
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ipywidgets as w
+
+from nbdist.state import CANCELLED, DONE, FAILED, FINAL, JobState, RankState
+from nbdist.views import status
+
+#: Renders per second at most, whatever the event rate.
+RATE_HZ = 10.0
+#: Widget messages per second the panel allows itself; a render that sent more delays the
+#: next one (16 busy ranks change ~40 widgets per tick). JupyterLab starts dropping messages
+#: somewhere above 300 per second.
+MESSAGES_PER_S = 200.0
+#: Above this many ranks, rows collapse into a summary plus the ranks worth looking at.
+MAX_ROWS = 16
+#: Lines shown in a log pane (the state keeps more; ``%dist_status JOB`` shows the tail).
+LOG_VIEW_LINES = 200
+#: Characters of a rank's last line shown in its row.
+LAST_LINE_CHARS = 120
+
+# The log pane is a column-reverse flex box so that it stays scrolled to its newest line
+# without any script; its <pre> must not shrink, or nothing overflows and the top shows.
+_STYLE = """<style>
+.nbdist-panel { font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; }
+.nbdist-panel .nbdist-badge { display: inline-block; min-width: 5.5em; padding: 0 4px;
+  border-radius: 3px; color: white; text-align: center; font-size: 11px; }
+.nbdist-panel .nbdist-log pre { margin: 0; font-size: 11px; line-height: 1.3;
+  white-space: pre-wrap; word-break: break-all; flex-shrink: 0; }
+.nbdist-panel .nbdist-log > .widget-html-content { display: flex; flex-direction: column-reverse;
+  max-height: 22em; overflow-y: auto; }
+.nbdist-panel .nbdist-muted { color: #777; }
+.nbdist-panel.nbdist-final-done .nbdist-header { border-left: 4px solid #2e7d32; }
+.nbdist-panel.nbdist-final-failed .nbdist-header { border-left: 4px solid #c62828; }
+.nbdist-panel.nbdist-final-cancelled .nbdist-header { border-left: 4px solid #ef6c00; }
+.nbdist-panel .nbdist-header { padding-left: 6px; }
+</style>"""
+
+_BAR_STYLE = {DONE: "success", FAILED: "danger", CANCELLED: "warning"}
+
+
+def _badge(state: str) -> str:
+    color = status.STATE_COLORS.get(state, "#777")
+    return f'<span class="nbdist-badge" style="background:{color}">{html.escape(state)}</span>'
+
+
+def _set(widget: w.Widget, **values: Any) -> int:
+    """Set traits that differ, in one message; return the number of messages sent (0 or 1)."""
+    changed = {k: v for k, v in values.items() if getattr(widget, k) != v}
+    if not changed:
+        return 0
+    with widget.hold_sync():
+        for k, v in changed.items():
+            setattr(widget, k, v)
+    return 1
+
+
+def _fraction(bar: dict[str, Any] | None) -> float:
+    if not bar:
+        return 0.0
+    n, total = bar.get("n") or 0, bar.get("total")
+    if not isinstance(total, (int, float)) or total <= 0:
+        return 0.0
+    return float(max(0.0, min(1.0, n / total)))
+
+
+def current_bar(r: RankState) -> dict[str, Any] | None:
+    """The progress bar a rank updated last (the one its row shows)."""
+    if r.bar is not None and r.bar in r.progress:
+        return r.progress[r.bar]
+    return None
+
+
+class _Row:
+    """One rank's row: label (rank, state, host), bar, and a line of details."""
+
+    def __init__(self, css: str) -> None:
+        self.label = w.HTML(layout=w.Layout(width="15em"), _dom_classes=("nbdist-label",))
+        self.bar = w.FloatProgress(
+            value=0.0, min=0.0, max=1.0, layout=w.Layout(width="14em"),
+            _dom_classes=("nbdist-bar",),
+        )
+        self.info = w.HTML(layout=w.Layout(flex="1 1 auto", overflow="hidden"),
+                           _dom_classes=("nbdist-info",))
+        self.box = w.HBox([self.label, self.bar, self.info], _dom_classes=("nbdist-row", css))
+
+    def show(self, r: RankState) -> int:
+        where = " · ".join(html.escape(x) for x in (r.host or "", f"GPU {r.gpu}" if r.gpu else "")
+                           if x)
+        sent = _set(self.label, value=(
+            f"<b>rank {r.rank}</b> {_badge(r.state)} <span class='nbdist-muted'>{where}</span>"
+        ))
+        bar = current_bar(r)
+        sent += _set(self.bar, value=1.0 if r.state == DONE and bar is None else _fraction(bar),
+                     bar_style=_BAR_STYLE.get(r.state, ""))
+        return sent + _set(self.info, value=_details(r, bar))
+
+
+def _details(r: RankState, bar: dict[str, Any] | None) -> str:
+    parts = []
+    if bar is not None:
+        parts.append(status.progress_text(bar))
+    if r.metrics:
+        parts.append(status.metrics_text(r.metrics))
+    last = r.status_line or r.last_line
+    if last:
+        if len(last) > LAST_LINE_CHARS:
+            last = last[:LAST_LINE_CHARS] + "…"
+        parts.append(f"<span class='nbdist-muted'>{html.escape(last)}</span>")
+    if r.state == FAILED and r.exit_code is not None:
+        parts.append(f"exit {r.exit_code}")
+    return " · ".join(parts) if parts else "<span class='nbdist-muted'>…</span>"
+
+
+def _log_html(lines: Sequence[tuple[str, str]], skipped: int, tail: str = "") -> str:
+    """A log pane: ``(prefix, text)`` lines, newest last; the pane sticks to its bottom."""
+    body = "\n".join(f"{html.escape(p)}{html.escape(t)}" for p, t in lines)
+    note = ""
+    if skipped:
+        note = (f"<span class='nbdist-muted'>… {skipped} earlier lines not shown here "
+                f"(the job's state keeps the last ones of each rank)</span>\n")
+    if tail:
+        body += f"\n<i>{html.escape(tail)}</i>"
+    if not body:
+        body = "<span class='nbdist-muted'>(no output yet)</span>"
+    return f"<pre>{note}{body}</pre>"
+
+
+class Panel:
+    """A live view of one job; renders from its own thread, at most ``RATE_HZ`` times a second.
+
+    Parameters
+    ----------
+    job : JobState
+        The state to render; the panel only reads it.
+    max_rows : int
+        Ranks shown as rows before the rows collapse into a summary.
+    """
+
+    def __init__(self, job: JobState, *, max_rows: int = MAX_ROWS) -> None:
+        self.job = job
+        self.collapsed = job.np > max_rows
+        self.renders = 0  # how many times the panel re-rendered (not counting unchanged ticks)
+        self._version = -1
+        self._log_turn = 0
+        self._lock = threading.Lock()  # one render at a time: the flusher, or close()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._finalized = False
+        self._handle: Any = None
+
+        self.header = w.HTML(_dom_classes=("nbdist-header",))
+        self.summary = w.HTML(_dom_classes=("nbdist-summary",))
+        n_rows = min(job.np, max_rows)
+        css = "nbdist-slot-{}" if self.collapsed else "nbdist-rank-{}"
+        self.rows = [_Row(css.format(i)) for i in range(n_rows)]
+        self.shown: list[int] = list(range(n_rows))  # rank shown by each row
+
+        # Log panes: rank 0 (open by default) ... and all ranks merged. A large job gets one
+        # pane with a rank selector instead of a pane per rank.
+        if self.collapsed:
+            self.pane_ranks: list[int | None] = [0, None]
+            self.picker: w.Dropdown | None = w.Dropdown(
+                options=[(f"rank {r}", r) for r in range(job.np)], value=0,
+                description="rank", _dom_classes=("nbdist-picker",),
+            )
+            self.picker.observe(self._picked, names="value")
+        else:
+            self.pane_ranks = [*range(job.np), None]
+            self.picker = None
+        self.panes = [
+            w.HTML(_dom_classes=("nbdist-log", "nbdist-log-all" if r is None
+                                 else f"nbdist-log-{'picked' if self.collapsed else r}"))
+            for r in self.pane_ranks
+        ]
+        titles = [("all ranks" if r is None else f"rank {r}") for r in self.pane_ranks]
+        first: w.Widget = self.panes[0]
+        if self.picker is not None:
+            first = w.VBox([self.picker, self.panes[0]])
+            titles[0] = "one rank"
+        self.tabs = w.Tab(children=[first, *self.panes[1:]], titles=titles, selected_index=0,
+                          _dom_classes=("nbdist-logs",))
+        self.logs = w.Accordion(children=[self.tabs], titles=("logs",), selected_index=0)
+        children: list[w.Widget] = [w.HTML(_STYLE), self.header]
+        if self.collapsed:
+            children.append(self.summary)
+        children += [r.box for r in self.rows]
+        children.append(self.logs)
+        self.widget = _PanelBox(children, _dom_classes=("nbdist-panel", f"nbdist-job-{job.id}"))
+        self.widget.job_id = job.id
+        self.render()
+
+    # -- life ---------------------------------------------------------------------------------
+    def show(self) -> None:
+        """Display the panel, and an output that the static summary will fill at the end."""
+        from IPython import display as ipd
+
+        display: Callable[..., Any] = ipd.display  # untyped in IPython
+        display(self.widget)
+        self._handle = display(_Static(""), display_id=True)
+
+    def start(self) -> None:
+        """Render from a background thread until the job is over, then render it final."""
+        if self._thread is None:
+            # In the caller's context: ipykernel keeps the cell an output belongs to in a
+            # context variable, so what this thread displays or prints lands in the cell that
+            # started the job, not in whichever cell runs when the job ends (--bg).
+            ctx = contextvars.copy_context()
+            self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
+                                            name=f"nbdist-panel-{self.job.id}")
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the flusher and render the final state (once); safe to call more than once."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self._final()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        interval = 1.0 / RATE_HZ
+        while not self._stop.is_set():
+            sent = self.render()
+            if self.job.state in FINAL and self.job.ended is not None:
+                break
+            self._stop.wait(max(interval, sent / MESSAGES_PER_S))
+        self._final()
+
+    # -- rendering ----------------------------------------------------------------------------
+    def render(self) -> int:
+        """Render the latest state if it changed since the last render; return messages sent."""
+        with self._lock:
+            if self._finalized:
+                return 0
+            return self._render(final=False)
+
+    def _final(self) -> None:
+        with self._lock:
+            if self._finalized:
+                return
+            self._render(final=True)
+            self._finalized = True
+        if self._handle is not None:
+            self._handle.update(_Static(self.job))
+
+    def _render(self, *, final: bool) -> int:
+        job = self.job
+        with job.lock:
+            version = job.version
+            if version == self._version and not final:
+                return self._render_header()  # the elapsed time moves on
+            self._version = version
+            self.renders += 1
+            sent = self._render_header()
+            if self.collapsed:
+                sent += _set(self.summary, value=status.collapsed_summary(job))
+                self.shown = _worth_showing(job, len(self.rows))
+            for row, rank in zip(self.rows, self.shown, strict=False):
+                sent += row.show(job.ranks[rank])
+            sent += self._render_logs(final)
+        if final:
+            state = job.state if job.state in FINAL else CANCELLED
+            self.widget._dom_classes = (*self.widget._dom_classes, f"nbdist-final-{state}")
+        return sent
+
+    def _render_header(self) -> int:
+        return _set(self.header, value=status.header_html(self.job))
+
+    def _render_logs(self, final: bool) -> int:
+        # Every pane on the final render; else the open pane, the merged pane and one more.
+        count = len(self.panes)
+        due = set(range(count)) if final else {0, count - 1, self._log_turn % count}
+        if not final and self.tabs.selected_index is not None:
+            due.add(self.tabs.selected_index)
+        self._log_turn += 1
+        sent = 0
+        for i in sorted(due):
+            rank = self.pane_ranks[i]
+            if rank is not None and self.picker is not None:
+                rank = self.picker.value
+            sent += _set(self.panes[i], value=self._pane_html(rank))
+        return sent
+
+    def _pane_html(self, rank: int | None) -> str:
+        job = self.job
+        if rank is None:
+            merged = list(job.merged)[-LOG_VIEW_LINES:]
+            width = len(str(max(job.np - 1, 0)))
+            skipped = max(0, job.seq - len(merged))
+            return _log_html([(f"[{ln.rank:>{width}}] ", ln.text) for ln in merged], skipped)
+        r = job.ranks[rank]
+        log = list(r.log)[-LOG_VIEW_LINES:]
+        return _log_html([("", ln.text) for ln in log], r.lines - len(log), r.status_line)
+
+    def _picked(self, change: dict[str, Any]) -> None:
+        with self._lock, self.job.lock:
+            self.panes[0].value = self._pane_html(int(change["new"]))
+
+
+def _worth_showing(job: JobState, slots: int) -> list[int]:
+    """Ranks to give the rows of a collapsed panel: rank 0, failures, then the slowest."""
+    chosen = [0]
+    chosen += [r.rank for r in job.ranks if r.state == FAILED and r.rank != 0]
+    rest = sorted(
+        (r for r in job.ranks if r.rank not in chosen),
+        key=lambda r: (r.state in FINAL, _fraction(current_bar(r)), r.rank),
+    )
+    chosen += [r.rank for r in rest]
+    return sorted(chosen[:slots])
+
+
+class _PanelBox(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
+    """The panel's root; its plain-text form is what renderers without widgets show."""
+
+    job_id = ""
+
+    def __repr__(self) -> str:
+        return f"[nbdist] live panel of job {self.job_id} (needs a widget frontend)"
+
+
+class _Static:
+    """The static summary shown in the notebook once the job ended (and kept when saved)."""
+
+    def __init__(self, job: JobState | str) -> None:
+        self.job = job
+
+    def _repr_html_(self) -> str:
+        if isinstance(self.job, str):
+            return self.job
+        return status.summary_html(self.job)
+
+    def __repr__(self) -> str:
+        if isinstance(self.job, str):
+            return self.job
+        return status.summary_text(self.job)
