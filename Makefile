@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup quickstart test lint system-deps
+.PHONY: setup quickstart test lint system-deps bench
 
 setup: $(VENV)/.installed
 
@@ -33,3 +33,8 @@ system-deps:
 
 test: setup system-deps lint
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) -m pytest
+
+# Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
+bench: setup system-deps
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,bench]'
+	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run.py

@@ -270,14 +270,22 @@ class EventClient:
         self._sock = socket.create_connection(address, timeout=timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._reader = self._sock.makefile("rb")
-        challenge = json.loads(self._reader.readline(MAX_HELLO_BYTES) or b"{}")
-        nonce = challenge.get("nonce")
-        if challenge.get("t") != "challenge" or not isinstance(nonce, str):
+        try:
+            try:
+                challenge = json.loads(self._reader.readline(MAX_HELLO_BYTES) or b"{}")
+            except ValueError:
+                challenge = {}
+            nonce = challenge.get("nonce") if isinstance(challenge, dict) else None
+            if not isinstance(nonce, str):
+                raise ConnectionError(f"no nbdist event server at {address[0]}:{address[1]}")
+            self._sock.settimeout(None)
+            mac = sign(secret, nonce, job_id, rank)
+            hello = {**hello, "t": "hello", "job": job_id, "rank": rank, "mac": mac}
+            self._sock.sendall(encode(hello))
+        except BaseException:
+            self._reader.close()
             self._sock.close()
-            raise ConnectionError(f"no nbdist event server at {address[0]}:{address[1]}")
-        self._sock.settimeout(None)
-        mac = sign(secret, nonce, job_id, rank)
-        self._sock.sendall(encode({**hello, "t": "hello", "job": job_id, "rank": rank, "mac": mac}))
+            raise
         self.alive = True
         self._thread = threading.Thread(target=self._read, name="nbdist-client", daemon=True)
         self._thread.start()
@@ -318,6 +326,9 @@ class EventClient:
                 pass
             self._sock.close()
         self._thread.join(timeout=2)
+        # The reader holds its own reference to the socket's fd: closing the socket alone
+        # would leak one descriptor per connection.
+        self._reader.close()
 
 
 _shared: dict[str, EventServer] = {}
@@ -331,6 +342,12 @@ def shared_server(host: str = "127.0.0.1") -> EventServer:
         if server is None or server._closed.is_set():
             server = _shared[host] = EventServer(host)
         return server
+
+
+def rejected_connections() -> int:
+    """Connections the kernel's event servers refused (bad secret, malformed), in all."""
+    with _shared_lock:
+        return sum(server.rejected for server in _shared.values())
 
 
 def free_port(host: str = "") -> int:

@@ -28,6 +28,8 @@ from nbdist.world import Hello, plan_world
 HISTORY = 50
 #: How long a cancel may take before the job is declared over anyway.
 TEARDOWN_S = 15.0
+#: How long a finished job waits for its ranks' event channels to drain (their last lines).
+DRAIN_S = 10.0
 
 _ids = itertools.count(1)
 _jobs: OrderedDict[str, Job] = OrderedDict()
@@ -112,10 +114,15 @@ class Job:
         self._secret = events.new_secret()
         self._env = dict(env or {})
         self._hellos: dict[int, Hello] = {}
+        # Open event connections per rank. A rank's outcome comes back through the launcher,
+        # its output through the event channel: the job only ends once every channel has
+        # been read to its end, or the last lines a rank printed would be lost.
+        self._open: dict[int, int] = {}
         self._outcomes: dict[int, RankOutcome] = {}
         self._first_failure: int | None = None
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
+        self._drained = threading.Condition(self._lock)
         self._done = threading.Event()
         self._results: list[Any] = []
         self._error: BaseException | None = None
@@ -156,10 +163,17 @@ class Job:
         )
         self.state.apply(rank, {"t": "hello", "host": h.host, "gpus": list(gpus)})
         with self._lock:
+            self._open[rank] = self._open.get(rank, 0) + 1
             self._hellos[rank] = h
-            if len(self._hellos) < self.np:
+            reason = self._cancel_reason
+            if reason is None and len(self._hellos) < self.np:
                 return
             hellos = dict(self._hellos)
+        if reason is not None:
+            # A rank that connects after the cancel (a Spark task that started late) must not
+            # get the rendezvous and run the user's code: stop it instead.
+            self._server.send(self.id, rank, {"t": "cancel", "reason": reason})
+            return
         try:
             envs = plan_world(
                 hellos, self.np, self.run_id, self.id, use_gpus=self.gpu, user_env=self._env
@@ -172,9 +186,20 @@ class Job:
 
     def on_event(self, rank: int, event: events.Event) -> None:
         self.state.apply(rank, event)
+        if event.get("t") == "state" and event.get("state") == "failed":
+            # The supervisor's last word before its outcome. A backend may hand outcomes over
+            # only once every rank has ended (Spark's collect()): stop the others now.
+            with self._lock:
+                first = self._first_failure is None and self._cancel_reason is None
+                if first:
+                    self._first_failure = rank
+            if first:
+                self._cancel(f"rank {rank} failed")
 
     def on_disconnect(self, rank: int) -> None:
-        pass
+        with self._lock:
+            self._open[rank] = self._open.get(rank, 1) - 1
+            self._drained.notify_all()
 
     # -- outcomes ---------------------------------------------------------------------------
     def _on_outcome(self, outcome: RankOutcome) -> None:
@@ -188,6 +213,10 @@ class Job:
         if first and not complete:
             self._cancel(f"rank {outcome.rank} failed")
         if complete:
+            with self._lock:
+                self._drained.wait_for(
+                    lambda: not any(n > 0 for n in self._open.values()), DRAIN_S
+                )
             self._finish()
 
     def _fail_all(self, reason: str) -> None:
@@ -243,10 +272,10 @@ class Job:
             return pickle.loads(outcome.result or cloudpickle.dumps(None))
         except Exception as exc:
             raise DistributedError(
-                f"rank {outcome.rank}'s result cannot be unpickled in the notebook: "
-                f"{type(exc).__name__}: {exc}. Return plain values (numbers, lists, numpy "
-                f"arrays, CPU tensors, state dicts) from the cell, or make the class importable "
-                f"in the notebook.",
+                f"rank {outcome.rank}'s result (a {outcome.result_type}) cannot be unpickled "
+                f"in the notebook: {type(exc).__name__}: {exc}. Return plain values "
+                f"(numbers, lists, numpy arrays, CPU tensors, state dicts) from the cell, or "
+                f"make the class importable in the notebook.",
                 job_id=self.id, reason="failed", failures={outcome.rank: str(exc)},
             ) from None
 

@@ -15,7 +15,10 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from traitlets import Enum, Float
 
+from nbdist import events
 from nbdist import job as jobs
 from nbdist.capture import capture_cell
 from nbdist.views import status
@@ -33,7 +36,9 @@ class Options:
     output: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     quiet: bool = False
+    bg: bool = False
     show_source: bool = False
+    export: str | None = None
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
 
@@ -58,9 +63,21 @@ def parse_options(args: argparse.Namespace) -> Options:
         env[key] = value
     if args.output is not None and not args.output.isidentifier():
         raise UsageError(f"-o takes a variable name, not {args.output!r}")
+    export = getattr(args, "export", None)
+    if export is not None:
+        if not export.endswith(".py"):
+            raise UsageError(f"--export takes the path of the .py script to write "
+                             f"(e.g. --export train.py), not {export!r}")
+        folder = os.path.dirname(os.path.abspath(export))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--export {export}: there is no folder {folder!r} to write it in")
+    if getattr(args, "bg", False) and args.output is not None:
+        raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
+                         "that: drop -o and use the returned job's .results")
     return Options(
         np=np, backend=args.backend, gpu=args.gpu, timeout=args.timeout, output=args.output,
-        env=env, quiet=args.quiet, show_source=args.show_source,
+        env=env, quiet=args.quiet, bg=getattr(args, "bg", False), show_source=args.show_source,
+        export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
     )
 
@@ -68,6 +85,19 @@ def parse_options(args: argparse.Namespace) -> Options:
 @magics_class
 class DistMagics(Magics):
     """Holds the magics; the work is done by ``nbdist.job``."""
+
+    view = Enum(
+        ("auto", "panel", "text"), "auto", config=True,
+        help="How a running job is shown: 'panel' (widgets), 'text' (rank-labelled lines), or "
+        "'auto': the panel in a Jupyter kernel with ipywidgets, else text. "
+        "Set with %config DistMagics.view = 'text'.",
+    )
+    large_value_mb = Float(
+        100.0, config=True,
+        help="Warn when a value the cell takes from the notebook pickles to more than this "
+        "many megabytes (every rank receives a copy). Set with "
+        "%config DistMagics.large_value_mb = 500.",
+    )
 
     @magic_arguments()
     @argument("-np", dest="np", metavar="N",
@@ -84,8 +114,13 @@ class DistMagics(Magics):
     @argument("--env", action="append", metavar="KEY=VALUE",
               help="extra environment variable for every rank (repeatable)")
     @argument("--quiet", action="store_true", help="show no output, only errors and the result")
+    @argument("--bg", action="store_true",
+              help="run in the background: return the job at once; the panel stays live")
     @argument("--show-source", action="store_true",
               help="print the self-contained function that would run, and do not run it")
+    @argument("--export", metavar="PATH",
+              help="write a standalone script (and its values) to run with "
+              "torchrun --nproc-per-node N PATH, and do not run it")
     @argument("script", nargs="?", help="line form: a Python script to run on every rank")
     @argument("args", nargs=argparse.REMAINDER, help="line form: the script's arguments")
     @no_var_expand
@@ -109,9 +144,15 @@ class DistMagics(Magics):
             captured = capture_cell(
                 cell, shell.user_ns, transform=shell.transform_cell,
                 filename=f"<cell In[{shell.execution_count}]>", line_offset=1,
+                compile_flags=shell.compile.flags, warn_bytes=int(self.large_value_mb * 1e6),
             )
             if opts.show_source:
                 print(captured.function_source())
+            if opts.export:
+                written = captured.export(opts.export, abs(opts.np))
+                print(f"wrote {' and '.join(map(str, written))}; run it with: "
+                      f"torchrun --nproc-per-node {abs(opts.np)} {opts.export}")
+            if opts.show_source or opts.export:
                 return None
             payload = captured.payload()
         return self._run(payload, opts, returns=cell is not None and payload["returns_last"])
@@ -123,8 +164,8 @@ class DistMagics(Magics):
         path = os.path.abspath(opts.script)
         if not os.path.isfile(path):
             raise UsageError(f"no such script: {opts.script!r} (looked in {os.getcwd()})")
-        if opts.show_source:
-            raise UsageError("--show-source applies to the cell form")
+        if opts.show_source or opts.export:
+            raise UsageError("--show-source and --export apply to the cell form")
         return {"kind": "script", "path": path, "argv": opts.script_args}
 
     def _run(self, payload: dict[str, Any], opts: Options, *, returns: bool) -> Any:
@@ -133,9 +174,18 @@ class DistMagics(Magics):
                              timeout=opts.timeout, env=opts.env)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        view = None if opts.quiet else TextView(job.state)
+        view = None if opts.quiet else self._view(job)
+        if opts.bg:
+            if view is not None:
+                view.start()  # renders from its own thread until the job ends
+            return job
         try:
-            job.wait(on_tick=view.update if view else None)
+            if isinstance(view, TextView):
+                job.wait(on_tick=view.update)
+            else:
+                if view is not None:
+                    view.start()
+                job.wait()
         except KeyboardInterrupt:
             pass  # the job was cancelled and torn down; its error says so below
         finally:
@@ -147,20 +197,34 @@ class DistMagics(Magics):
             self.shell.user_ns[opts.output] = job.results
         return job.result() if returns else None
 
+    def _view(self, job: jobs.Job) -> Any:
+        """The panel in a Jupyter kernel with ipywidgets (or when configured), else text."""
+        mode = self.view
+        if mode == "auto":
+            mode = "panel" if _widget_frontend(self.shell) else "text"
+        if mode == "text":
+            return TextView(job.state)
+        from nbdist.views.widget import Panel
+
+        panel = Panel(job.state)
+        panel.show()
+        return panel
+
     @line_magic
     def dist_status(self, line: str) -> None:
-        """Show this kernel's nbdist jobs and the local capacity; ``%dist_status JOB`` for ranks."""
+        """Show this kernel's nbdist jobs and the capacity of the backends in use.
+
+        ``%dist_status JOB`` shows one job's ranks: state, host, pid, GPU, exit code, last lines.
+        """
         job_id = line.strip() or None
         if job_id is not None:
             job = jobs.get_job(job_id)
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
-            print(status.ranks_table(job.state))
+            display(status.RanksReport(job.state))
             return
-        print(status.jobs_table([j.state for j in jobs.jobs()]))
-        from nbdist.launch.local import LocalLauncher
-
-        print(f"\ncapacity (local): {LocalLauncher().capacity().detail}")
+        display(status.JobsReport([j.state for j in jobs.jobs()], _capacities(),
+                                  rejected=events.rejected_connections()))
 
     @line_magic
     def dist_cancel(self, line: str) -> None:
@@ -174,4 +238,31 @@ class DistMagics(Magics):
             return
         job.cancel("cancelled with %dist_cancel")
         job.wait(jobs.TEARDOWN_S)
-        print(f"job {job.id} cancelled; {job.state.counts()}")
+        stopped = [r.rank for r in job.state.ranks if r.state == "cancelled"]
+        ended = ", ".join(f"{n} {s}" for s, n in sorted(job.state.counts().items()))
+        print(f"job {job.id} cancelled: ranks {', '.join(map(str, stopped)) or 'none'} "
+              f"stopped ({ended})")
+
+
+def _widget_frontend(shell: Any) -> bool:
+    """True in a Jupyter kernel (ipykernel's shell) where ipywidgets can be imported."""
+    import importlib.util
+
+    in_kernel = any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
+    return in_kernel and importlib.util.find_spec("ipywidgets") is not None
+
+
+def _capacities() -> list[tuple[str, Any]]:
+    """(backend, Capacity) of the local backend, and of Spark when a session is active."""
+    from nbdist.launch.local import LocalLauncher
+
+    caps: list[tuple[str, Any]] = [("local", LocalLauncher().capacity())]
+    if jobs._spark_session() is not None:
+        try:
+            launcher, _ = jobs.choose_launcher(1, "spark")
+            caps.append(("spark", launcher.capacity()))
+        except Exception as exc:  # no Spark backend here, or the cluster cannot be asked
+            from nbdist.launch import Capacity
+
+            caps.append(("spark", Capacity(0, 0, f"unknown: {exc}")))
+    return caps

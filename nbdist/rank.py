@@ -15,6 +15,7 @@ import codecs
 import collections
 import json
 import os
+import queue
 import re
 import select
 import signal
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,10 +33,102 @@ from nbdist import events, runtime
 MAX_LINE_CHARS = 16 * 1024
 #: A partial line is sent after this long without a newline, so prompts and dots show up live.
 PARTIAL_AFTER_S = 0.2
+#: Output is sent at most once per this interval per stream while lines keep coming; a line
+#: after a quiet spell goes at once. A rank printing in a tight loop then costs the driver one
+#: event per few thousand lines instead of one per line.
+BATCH_S = 0.005
+#: Pipe buffer asked for (Linux allows up to 1 MiB unprivileged) and the most read at once,
+#: so a rank printing fast does not block while its supervisor waits out ``BATCH_S``.
+PIPE_BYTES = 1 << 20
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
 TAIL_LINES = 20
+
+
+class RankProcess:
+    """A rank's interpreter with its pipes: started here, or taken warm from a pool.
+
+    The interpreter runs in a new session (its own process group). Closing ``ctl_in`` is how
+    it learns that its supervisor is gone: it then kills its group.
+    """
+
+    def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
+        ctl_in_r, ctl_in_w = os.pipe()
+        ctl_out_r, ctl_out_w = os.pipe()
+        full = {**os.environ, **env}
+        full["NBDIST_CTL_IN"], full["NBDIST_CTL_OUT"] = str(ctl_in_r), str(ctl_out_w)
+        full.setdefault("PYTHONIOENCODING", "utf-8")
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-c", "from nbdist.runtime import main; main()"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(ctl_in_r, ctl_out_w), start_new_session=True, env=full, cwd=cwd,
+            )
+        except BaseException:
+            for fd in (ctl_in_w, ctl_out_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(ctl_in_r)
+            os.close(ctl_out_w)
+        self.ctl_in = os.fdopen(ctl_in_w, "wb")
+        self.started = time.monotonic()
+        #: Frames from the interpreter, None at the end; one reader for its whole life, so a
+        #: warm interpreter can be watched by its pool and then handed to a supervisor.
+        self.frames: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
+        #: Set once the modules of a warm-up are imported.
+        self.warm = threading.Event()
+        threading.Thread(
+            target=self._read, args=(os.fdopen(ctl_out_r, "rb"),), daemon=True
+        ).start()
+
+    def _read(self, f: Any) -> None:
+        with f:
+            while (frame := runtime.read_frame(f)) is not None:
+                if frame[0] == runtime.EVENT and b'"warm"' in frame[1]:
+                    try:
+                        if json.loads(frame[1]).get("t") == "warm":
+                            self.warm.set()
+                    except ValueError:
+                        pass
+                self.frames.put(frame)
+        self.frames.put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def send(self, kind: int, body: bytes) -> bool:
+        """Write a frame; False if the interpreter is gone."""
+        try:
+            runtime.write_frame(self.ctl_in, kind, body)
+        except (BrokenPipeError, ValueError):  # ValueError: already closed
+            return False
+        return True
+
+    def close(self) -> None:
+        """Let go of the interpreter: it kills its own process group when it sees this."""
+        for f in (self.ctl_in,):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def discard(self) -> None:
+        """Kill an interpreter nobody will use (an idle warm one) and reap it."""
+        self.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
 
 
 @dataclass
@@ -67,6 +161,7 @@ class RankOutcome:
     pid: int | None = None
     tail: list[str] = field(default_factory=list)
     dropped_events: int = 0
+    result_type: str | None = None  # "module.Class" of the result, known even if unpicklable
 
     def describe(self) -> str:
         """The failure as text: the remote traceback, or the exit status and last output."""
@@ -93,8 +188,13 @@ class RankOutcome:
 class Supervisor:
     """Supervises one rank: ``run()`` blocks until the rank is over; ``cancel()`` works anywhere."""
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(
+        self, spec: RankSpec, take: Callable[[RankSpec], RankProcess | None] | None = None
+    ) -> None:
         self.spec = spec
+        self._take = take  # where warm interpreters come from (the local backend's pool)
+        self._rp: RankProcess | None = None
+        self.modules: list[str] = []  # top-level modules the rank's code imported
         self._client: events.EventClient | None = None
         self._world = threading.Event()
         self._world_env: dict[str, str] = {}
@@ -104,6 +204,8 @@ class Supervisor:
         self._result: bytes | None = None
         self._error: dict[str, str] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._result_type: str | None = None
+        self._escapees: list[Any] = []
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -132,6 +234,8 @@ class Supervisor:
             return self._run_rank()
         finally:
             self._kill_group(signal.SIGKILL)
+            if self._rp is not None:
+                self._rp.close()
             if self._client is not None:
                 self._client.close()
 
@@ -184,7 +288,7 @@ class Supervisor:
         self._ctl_thread.join(timeout=5)
         outcome = RankOutcome(
             spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
-            pid=proc.pid, tail=list(self._tail),
+            pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
         )
         if self._result is not None:
             # The value was delivered and output flushed: a crash after that (torch's teardown
@@ -199,86 +303,123 @@ class Supervisor:
 
     def _spawn(self) -> subprocess.Popen[bytes] | None:
         spec = self.spec
-        ctl_in_r, ctl_in_w = os.pipe()
-        ctl_out_r, ctl_out_w = os.pipe()
-        env = dict(os.environ)
-        env.update(spec.env)
         world = dict(self._world_env)
-        if "OMP_NUM_THREADS" in env:
+        if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
             world.pop("OMP_NUM_THREADS", None)  # the user's setting wins
-        env.update(world)
-        env["NBDIST_CTL_IN"], env["NBDIST_CTL_OUT"] = str(ctl_in_r), str(ctl_out_w)
-        env.setdefault("PYTHONIOENCODING", "utf-8")
         with self._lock:
             if self._cancelled.is_set():
-                for fd in (ctl_in_r, ctl_in_w, ctl_out_r, ctl_out_w):
-                    os.close(fd)
                 return None
-            try:
-                proc = subprocess.Popen(
-                    [spec.python, "-c", "from nbdist.runtime import main; main()"],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    pass_fds=(ctl_in_r, ctl_out_w), start_new_session=True,
-                    env=env, cwd=spec.cwd,
-                )
-            finally:
-                os.close(ctl_in_r)
-                os.close(ctl_out_w)
-            self._proc = proc
-        self._ctl_in = os.fdopen(ctl_in_w, "wb")
-        runtime.write_frame(self._ctl_in, runtime.PAYLOAD, spec.payload)
-        runtime.write_frame(self._ctl_in, runtime.QUIT, b"")
-        # control-in stays open: its end of file tells the rank that we are gone.
+            rp = self._take(spec) if self._take is not None else None
+            if rp is None:
+                rp = RankProcess(spec.python, {**spec.env, **world}, spec.cwd)
+            self._proc = rp.proc
+            self._rp = rp
+        # The environment also travels as a frame: a warm interpreter was started before the
+        # rendezvous and sets it itself before running anything of the user's.
+        if not (rp.send(runtime.ENV, json.dumps({"env": {**spec.env, **world},
+                                                 "cwd": spec.cwd}).encode())
+                and rp.send(runtime.PAYLOAD, spec.payload) and rp.send(runtime.QUIT, b"")):
+            pass  # the rank died at start-up; its exit status and stderr will say why
         self._ctl_thread = threading.Thread(
-            target=self._read_control, args=(os.fdopen(ctl_out_r, "rb"),), daemon=True
+            target=self._read_control, args=(rp,), daemon=True
         )
         self._ctl_thread.start()
-        return proc
+        return rp.proc
 
-    def _read_control(self, f: Any) -> None:
-        with f:
-            while (frame := runtime.read_frame(f)) is not None:
-                kind, body = frame
-                if kind == runtime.EVENT:
-                    try:
-                        self._send(**json.loads(body))
-                    except ValueError:
-                        pass
-                elif kind == runtime.RESULT:
-                    self._result = body
-                elif kind == runtime.ERROR:
-                    self._error = json.loads(body)
+    def _read_control(self, rp: RankProcess) -> None:
+        while (frame := rp.frames.get()) is not None:
+            kind, body = frame
+            if kind == runtime.EVENT:
+                try:
+                    event = json.loads(body)
+                except ValueError:
+                    continue
+                if event.get("t") == "warm":
+                    continue
+                if event.get("t") == "result":
+                    self._result_type = str(event.get("type"))
+                elif event.get("t") == "modules":
+                    self.modules = [str(m) for m in event.get("names", ())]
+                else:
+                    self._send(**event)
+            elif kind == runtime.RESULT:
+                self._result = body
+            elif kind == runtime.ERROR:
+                self._error = json.loads(body)
 
     def _pump(self, pipe: Any, stream: str) -> None:
-        """Forward one output pipe line by line; ``\\r`` ends a segment as ``\\n`` does."""
+        """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
+
+        Sends ``{"t": "out", "s": stream, "text": chunk}``: the chunk holds lines ended by
+        ``\\n``, ``\\r\\n`` or ``\\r``, possibly followed by an unfinished line that waited
+        ``PARTIAL_AFTER_S`` (a prompt, a row of dots). The driver splits it.
+        """
         fd = pipe.fileno()
+        _grow_pipe(fd)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        partial = ""
+        pending = ""  # decoded, not sent yet
+        brk = 0  # length of the whole lines at the start of ``pending``
+        last_sent = 0.0
+        partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
+        cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
         with pipe:
             while True:
-                ready, _, _ = select.select([fd], [], [], PARTIAL_AFTER_S if partial else None)
-                if not ready:  # a partial line has waited long enough: send it as it is
-                    self._emit(stream, [[partial, ""]])
-                    partial = ""
-                    continue
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    break
-                segs, partial = _split(partial + decoder.decode(data))
-                if len(partial) >= MAX_LINE_CHARS:
-                    segs.append([partial, ""])
-                    partial = ""
-                if segs:
-                    self._emit(stream, segs)
-            rest = partial + decoder.decode(b"", final=True)
+                wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
+                ready = wait is not None and wait <= 0
+                if not ready:
+                    ready = bool(select.select([fd], [], [], wait)[0])
+                    if ready:
+                        # Batching: within BATCH_S of the last send, let the pipe fill up
+                        # instead of waking for every line a busy rank writes.
+                        gap = last_sent + BATCH_S - time.monotonic()
+                        if gap > 0:
+                            time.sleep(gap)
+                        data = os.read(fd, PIPE_BYTES)
+                        if not data:
+                            break
+                        text = decoder.decode(data)
+                        if cut:
+                            # The rest of an overlong line: drop it up to its end, then say
+                            # how much went, as _cut does for a line that came whole.
+                            end = _first_break(text)
+                            if end < 0:
+                                cut += len(text)
+                                continue
+                            text = f" [... {cut + end} characters cut]" + text[end:]
+                            cut = 0
+                        if not pending:
+                            partial_since = time.monotonic()
+                        end = _after_last_break(text)
+                        if end:
+                            brk = len(pending) + end
+                        pending += text
+                now = time.monotonic()
+                if brk:
+                    chunk, pending = pending[:brk], pending[brk:]
+                    brk = 0
+                    self._emit(stream, chunk)
+                    last_sent = partial_since = now
+                elif len(pending) >= MAX_LINE_CHARS:  # an overlong line: send its start
+                    cut = len(pending) - MAX_LINE_CHARS
+                    self._emit(stream, pending[:MAX_LINE_CHARS])
+                    pending = ""
+                elif pending and now - partial_since >= PARTIAL_AFTER_S:
+                    self._emit(stream, pending)  # an unfinished line, shown as it is
+                    pending = ""
+            rest = pending + decoder.decode(b"", final=True)
             if rest:
-                self._emit(stream, [[rest, ""]])
+                self._emit(stream, rest)
 
-    def _emit(self, stream: str, segs: list[list[str]]) -> None:
-        for text, end in segs:
-            if end == "\n":
-                self._tail.append(text)
-        self._send(t="out", s=stream, seg=segs)
+    def _emit(self, stream: str, text: str) -> None:
+        if len(text) > MAX_LINE_CHARS and max(map(len, text.splitlines())) > MAX_LINE_CHARS:
+            segs, rest = _split(text)
+            text = "".join(line + end for line, end in segs) + rest
+        # The last lines, kept to explain a rank that dies without a traceback.
+        parts = text.rsplit("\n", TAIL_LINES + 1)
+        parts.pop()  # after the last newline: unfinished
+        for line in parts[-TAIL_LINES:]:
+            self._tail.append(line.rstrip("\r").rsplit("\r", 1)[-1])
+        self._send(t="out", s=stream, text=text)
 
     # -- teardown -------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -290,6 +431,9 @@ class Supervisor:
             proc = self._proc
         if proc is None or proc.poll() is not None:
             return
+        # Remember the rank's descendants now: once SIGTERM ends the rank, those that left
+        # its process group (setsid) can no longer be found through it.
+        self._escapees = _descendants(proc.pid)
         self._kill_group(signal.SIGTERM)
         killer = threading.Timer(TERM_GRACE_S, self._kill_group, args=(signal.SIGKILL,))
         killer.daemon = True
@@ -304,24 +448,21 @@ class Supervisor:
         except (ProcessLookupError, PermissionError):
             pass
         if sig == signal.SIGKILL:
-            _kill_escapees(proc.pid)
+            for child in [*self._escapees, *_descendants(proc.pid)]:
+                try:
+                    child.kill()
+                except Exception:  # psutil.Error: already gone
+                    pass
 
 
-def _kill_escapees(pid: int) -> None:
-    """Kill descendants of the rank that left its process group (``setsid``, daemons)."""
+def _descendants(pid: int) -> list[Any]:
+    """The rank's descendants, also those that left its process group (``setsid``)."""
     try:
         import psutil
-    except ImportError:
-        return
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return
-    for child in children:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
+
+        return list(psutil.Process(pid).children(recursive=True))
+    except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
+        return []
 
 
 _NEWLINE = re.compile(r"(\r\n|\r|\n)")
@@ -335,6 +476,26 @@ def _split(text: str) -> tuple[list[list[str]], str]:
         for line, sep in zip(parts[0:-1:2], parts[1::2], strict=True)
     ]
     return segs, parts[-1]
+
+
+def _grow_pipe(fd: int) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (ImportError, OSError):
+        pass  # not Linux, or above /proc/sys/fs/pipe-max-size: the default buffer works too
+
+
+def _first_break(text: str) -> int:
+    """Index of the first ``\\n`` or ``\\r`` in ``text``; -1 if there is none."""
+    found = [i for i in (text.find("\n"), text.find("\r")) if i >= 0]
+    return min(found) if found else -1
+
+
+def _after_last_break(text: str) -> int:
+    """Index just after the last ``\\n`` or ``\\r`` in ``text``; 0 if there is none."""
+    return max(text.rfind("\n"), text.rfind("\r")) + 1
 
 
 def _cut(line: str) -> str:

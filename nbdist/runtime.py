@@ -27,7 +27,6 @@ import os
 import queue
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -42,6 +41,8 @@ QUIT = ord("Q")  # supervisor → rank: no more payloads
 EVENT = ord("E")  # rank → supervisor: a JSON event
 RESULT = ord("R")  # rank → supervisor: the pickled value of a payload
 ERROR = ord("X")  # rank → supervisor: JSON {type, message, traceback}
+ENV = ord("V")  # supervisor → rank: JSON {env, cwd}, set before the next payload runs
+WARM = ord("W")  # supervisor → rank: JSON list of modules to import while waiting
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 T = TypeVar("T")
@@ -84,10 +85,22 @@ _channel: _Channel | None = None
 
 
 # -- the API user code calls on a rank --------------------------------------------------------
+#: A bar reports at most this often; what a faster loop skips is sent by a trailing update.
+BAR_EVERY_S = 0.1
+
+
 class _Bar:
-    """Rate-limited progress reporting for one loop; also the shape the tqdm bridge uses."""
+    """Rate-limited progress reporting for one loop; also the shape the tqdm bridge uses.
+
+    A skipped update is not lost: a loop that stalls right after one (a rank waiting in a
+    collective) would otherwise show a stale count for as long as it waits. One thread per
+    rank, started on the first skip, sends the latest count of such bars ``BAR_EVERY_S`` later.
+    """
 
     _ids = 0
+    _lock = threading.Lock()  # one send at a time, so a bar's counts never arrive out of order
+    _late: dict[int, _Bar] = {}
+    _trailer: threading.Thread | None = None
 
     def __init__(self, total: int | None, desc: str | None) -> None:
         _Bar._ids += 1
@@ -96,19 +109,45 @@ class _Bar:
         self.n = 0
         self.start = time.monotonic()
         self._last = 0.0
+        self._sent: int | None = None
 
     def update(self, n: int, *, force: bool = False) -> None:
         self.n = n
-        now = time.monotonic()
-        if _channel is None or (not force and now - self._last < 0.1):
+        if _channel is None:
             return
-        self._last = now
-        elapsed = now - self.start
-        rate = n / elapsed if elapsed > 0 else None
-        _channel.event(
-            t="progress", id=self.id, n=n, total=self.total, desc=self.desc,
-            rate=rate, elapsed=elapsed,
-        )
+        if force or time.monotonic() - self._last >= BAR_EVERY_S:
+            self._send()
+            return
+        with _Bar._lock:
+            _Bar._late[self.id] = self
+            if _Bar._trailer is None:
+                _Bar._trailer = threading.Thread(target=_Bar._trail, daemon=True,
+                                                 name="nbdist-progress")
+                _Bar._trailer.start()
+
+    def _send(self) -> None:
+        with _Bar._lock:
+            if _channel is None:
+                return
+            now = time.monotonic()
+            self._last, self._sent = now, self.n
+            elapsed = now - self.start
+            rate = self.n / elapsed if elapsed > 0 else None
+            _channel.event(
+                t="progress", id=self.id, n=self.n, total=self.total, desc=self.desc,
+                rate=rate, elapsed=elapsed,
+            )
+
+    @staticmethod
+    def _trail() -> None:
+        while True:
+            time.sleep(BAR_EVERY_S)  # a pace, not a wait for anything
+            with _Bar._lock:
+                late = list(_Bar._late.values())
+                _Bar._late.clear()
+            for bar in late:
+                if bar.n != bar._sent:
+                    bar._send()
 
 
 def progress(
@@ -142,7 +181,13 @@ def report(**metrics: Any) -> None:
 
 
 def _bridge_tqdm() -> None:
-    """Make every tqdm bar on this rank report to the panel instead of drawing escape codes."""
+    """Make every tqdm bar on this rank report to the panel instead of drawing escape codes.
+
+    tqdm calls ``display`` at most every ``mininterval``; ours sends a progress event (itself
+    rate-limited) and draws nothing. ``close`` would still write a newline to the rank's
+    stderr, leaving an empty line per bar in the log: without ``sp`` (tqdm's "GUI mode") it
+    skips that.
+    """
     try:
         import tqdm.std as tstd
     except ImportError:
@@ -153,17 +198,18 @@ def _bridge_tqdm() -> None:
     def display(self: Any, msg: str | None = None, pos: int | None = None) -> bool:
         bar = self.__dict__.get("_nbdist_bar")
         if bar is None:
-            fmt = self.format_dict
-            bar = self._nbdist_bar = _Bar(fmt.get("total"), fmt.get("prefix") or None)
-        fmt = self.format_dict
-        bar.total = fmt.get("total")
-        bar.update(int(fmt.get("n") or 0), force=bool(self.disable or getattr(self, "_closing", 0)))
+            bar = self._nbdist_bar = _Bar(self.total, self.desc or None)
+        bar.total, bar.desc = self.total, self.desc or None  # set_description may change it
+        bar.update(int(self.n), force=bool(getattr(self, "_closing", 0)))
         return True
 
     original_close = tstd.tqdm.close
 
     def close(self: Any) -> None:
+        if getattr(self, "disable", True):
+            return
         self._closing = 1
+        self.sp = None  # no final newline on the rank's stderr
         original_close(self)
         bar = self.__dict__.get("_nbdist_bar")
         if bar is not None:
@@ -176,27 +222,111 @@ def _bridge_tqdm() -> None:
 
 # -- running a payload ---------------------------------------------------------------------------
 class _RankShell:
-    """Stands in for ``get_ipython()`` so ``!cmd`` lines of a cell run on the rank."""
+    """Stands in for ``get_ipython()`` on a rank: ``!cmd``, ``x = !cmd`` and ``%pip`` run
+    there through a shell, with ``{expression}`` and ``$name`` expanded from the cell's
+    variables as IPython does. ``%%distributed --export`` copies this class into the scripts it
+    writes, so it uses only the standard library, imported inside its methods."""
 
-    def system(self, cmd: str) -> int:
+    def __init__(self, ns: dict[str, Any] | None = None) -> None:
+        self.ns = ns if ns is not None else {}
+
+    @staticmethod
+    def _expand(cmd: str, depth: int) -> str:
+        import re
+        import string
+        import sys
+
+        class Evaluating(string.Formatter):
+            def get_field(self, field: str, args: Any, kwargs: Any) -> tuple[Any, str]:
+                return eval(field, kwargs), field  # ``{x + 1}``, as IPython allows
+
+        frame = sys._getframe(depth + 1)
+        names = {**frame.f_globals, **frame.f_locals}
+        try:
+            cmd = Evaluating().vformat(cmd, (), names)
+        except Exception:  # like IPython: a command that does not expand runs as written
+            return cmd
+        return re.sub(r"\$(\w+)", lambda m: str(names.get(m.group(1), m.group(0))), cmd)
+
+    def _run(self, cmd: str, capture: bool) -> Any:
+        import subprocess
+        import sys
+
         sys.stdout.flush()
         sys.stderr.flush()
-        return subprocess.call(cmd, shell=True)
+        if capture:  # as IPython's getoutput: stdout and stderr, split into lines
+            out = subprocess.run(cmd, shell=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True).stdout
+            return out.splitlines()
+        self.ns["_exit_code"] = subprocess.call(cmd, shell=True)
+        return None
+
+    def system(self, cmd: str) -> None:
+        self._run(self._expand(cmd, 1), capture=False)
 
     def getoutput(self, cmd: str, split: bool = True) -> Any:
-        out = subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout
-        return out.splitlines() if split else out
+        lines = self._run(self._expand(cmd, 1), capture=True)
+        return lines if split else "\n".join(lines)
 
-    def _refuse(self, name: str, *_: object, **__: object) -> None:
+    def run_line_magic(self, name: str, line: str = "", _stack_depth: int = 1) -> Any:
+        import shlex
+        import sys
+
+        line = self._expand(line, 1)
+        if name == "pip":
+            return self._run(f"{shlex.quote(sys.executable)} -m pip {line}", capture=False)
+        if name in ("sx", "system"):
+            return self._run(line, capture=True)
         raise RuntimeError(
             f"%{name} is an IPython magic and cannot run on a rank; run it in a normal cell"
         )
 
-    def run_line_magic(self, name: str, *args: object, **kw: object) -> None:
-        self._refuse(name)
-
     def run_cell_magic(self, name: str, *args: object, **kw: object) -> None:
-        self._refuse(name)
+        raise RuntimeError(
+            f"%%{name} is an IPython cell magic and cannot run on a rank; run it in a normal cell"
+        )
+
+
+def _cell_namespace() -> dict[str, Any]:
+    """The notebook's namespace, as the globals of notebook functions shipped by value.
+
+    Capture pickles a reference to this function in its place; the loader of a cell's values
+    (``_load_values``) maps it to the namespace the cell runs in, so those functions see what
+    the cell assigns, as in the notebook. Unpickled any other way, each gets a fresh one.
+    """
+    return {}
+
+
+def _load_values(data: bytes, names: list[str], ns: dict[str, Any]) -> None:
+    """Unpickle a cell's values into ``ns``: one stream with one memo, one object per name."""
+    import io
+    import pickle
+
+    class _Loader(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("nbdist.runtime", "_cell_namespace"):
+                return lambda: ns
+            return super().find_class(module, name)
+
+    loader = _Loader(io.BytesIO(data))
+    for name in names:
+        ns[name] = loader.load()
+
+
+def _display(*objs: Any, **kwargs: Any) -> None:
+    """IPython's ``display`` on a rank, which has no front end: print each object's repr."""
+    for obj in objs:
+        print(repr(obj))
+
+
+def _import(module: str, what: str, name: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:
+        raise ImportError(
+            f"the notebook's name {name!r} needs `{what}`, which failed on this rank: "
+            f"{type(exc).__name__}: {exc}. Install it where the ranks run."
+        ) from None
 
 
 def _run_cell(payload: dict[str, Any]) -> Any:
@@ -207,28 +337,35 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     lines = ["\n"] * offset + source.splitlines(True)
     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-    ns["get_ipython"] = lambda: _RankShell()
+    shell = _RankShell(ns)
+    ns["get_ipython"] = lambda: shell
+    ns["display"] = _display
     for name, module, attr in payload.get("imports", ()):
+        what = f"from {module} import {attr}" if attr else f"import {module}"
+        mod = _import(module, what, name)
         try:
-            mod = importlib.import_module(module)
             ns[name] = getattr(mod, attr) if attr else mod
-        except Exception as exc:
-            what = f"from {module} import {attr}" if attr else f"import {module}"
+        except AttributeError as exc:
             raise ImportError(
                 f"the notebook's name {name!r} needs `{what}`, which failed on this rank: "
-                f"{type(exc).__name__}: {exc}. Install it where the ranks run."
+                f"{exc}. Install the notebook's version where the ranks run."
             ) from None
-    ns.update(payload.get("values", {}))
+    for module in payload.get("submodules", ()):
+        _import(module, f"import {module}", module.partition(".")[0])
+    if payload.get("data"):
+        _load_values(payload["data"], payload["value_names"], ns)
+    # The notebook's ``from __future__`` features (flags); none of this module's own.
+    flags: int = payload.get("flags", 0)
     tree = ast.parse(source, filename)
     ast.increment_lineno(tree, offset)
     last = None
     if payload.get("returns_last") and tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body[-1].value)
         tree.body.pop()
-    exec(compile(tree, filename, "exec"), ns)
+    exec(compile(tree, filename, "exec", flags=flags, dont_inherit=True), ns)
     if last is None:
         return None
-    return eval(compile(last, filename, "eval"), ns)
+    return eval(compile(last, filename, "eval", flags=flags, dont_inherit=True), ns)
 
 
 def _run_script(payload: dict[str, Any]) -> Any:
@@ -292,6 +429,51 @@ def _flush_all() -> None:
         pass
 
 
+#: Modules loaded before any payload or warm-up: what every fresh interpreter has anyway.
+_AT_START: set[str] = set()
+
+
+def _warm(modules: list[str]) -> None:
+    """Import what the last job used, so the next one finds it loaded (a warm interpreter)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # anything a module does at import must not kill the rank
+            pass
+
+
+def _set_env(spec: dict[str, Any]) -> None:
+    env: dict[str, str] = spec.get("env", {})
+    os.environ.update(env)
+    if spec.get("cwd"):
+        os.chdir(spec["cwd"])
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" in env:
+        # torch read OMP_NUM_THREADS when it was imported, before this rank had it.
+        try:
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        except (ValueError, AttributeError):
+            pass
+
+
+def _imported_since(before: set[str]) -> list[str]:
+    """Installed top-level packages imported since ``before`` (what to preload next time).
+
+    Only packages from the installation (site-packages, the standard library) qualify: the
+    user's own modules may be edited before the next run, and a warm interpreter would hold
+    the old code.
+    """
+    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    names = []
+    for name in {n.partition(".")[0] for n in set(sys.modules) - before}:
+        if not name or name.startswith("_") or name == "__main__":
+            continue
+        path = getattr(sys.modules.get(name), "__file__", None) or ""
+        if path.startswith(roots) or "site-packages" in path or "dist-packages" in path:
+            names.append(name)
+    return sorted(names)
+
+
 def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None:
     import cloudpickle
 
@@ -299,10 +481,14 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
         frame = inbox.get()
         if frame is None or frame[0] == QUIT:
             return
+        if frame[0] == WARM:
+            _warm(json.loads(frame[1]))
+            chan.event(t="warm")
+            continue
+        if frame[0] == ENV:
+            _set_env(json.loads(frame[1]))
+            continue
         payload = cloudpickle.loads(frame[1])
-        os.environ.update(payload.get("env", {}))
-        if payload.get("cwd"):
-            os.chdir(payload["cwd"])
         _bridge_tqdm()
         chan.event(t="state", state="running")
         try:
@@ -322,6 +508,8 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             if not payload.get("keep"):
                 return
             continue
+        finally:
+            chan.event(t="modules", names=_imported_since(_AT_START))
         _flush_all()
         try:
             body = cloudpickle.dumps(value)
@@ -333,6 +521,10 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
                 "traceback": "",
             }).encode())
         else:
+            # The type travels apart from the value, so a driver that cannot unpickle the
+            # value can still say what it was.
+            kind = type(value)
+            chan.event(t="result", type=f"{kind.__module__}.{kind.__qualname__}")
             chan.send(RESULT, body)
         if not payload.get("keep"):
             return
@@ -355,17 +547,50 @@ def main() -> None:
             inbox.put(frame)
         inbox.put(None)
         if not done.is_set():
+            _kill_descendants()
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     done = threading.Event()
+    _AT_START.update(sys.modules)
+    _become_subreaper()
     threading.Thread(target=watch, name="nbdist-watch", daemon=True).start()
     # Line buffering flushes on \n and on \r, so progress redraws are not held back.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     chan.event(t="state", state="ready", pid=os.getpid())
+    code = 0
     try:
         _serve(inbox, chan)
+    except BaseException:
+        # nbdist's own failure (not the user's code, whose errors _serve reports): leave the
+        # traceback on stderr, where the supervisor keeps the rank's last lines.
+        traceback.print_exc()
+        code = 70  # EX_SOFTWARE
     finally:
         done.set()
         _flush_all()
-        os._exit(0)
+        _kill_descendants()
+        os._exit(code)
+
+
+def _become_subreaper() -> None:
+    """Adopt orphaned descendants, so that even a double-forked daemon stays findable."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        except (OSError, AttributeError):
+            pass
+
+
+def _kill_descendants() -> None:
+    """Kill every process the rank started, including those that left its process group."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+    except Exception:  # nothing here may stop the rank from leaving
+        pass

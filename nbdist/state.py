@@ -8,10 +8,11 @@ at ``MAX_PARTIAL`` characters. What falls out of view is counted, never silently
 from __future__ import annotations
 
 import collections
+import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 LOG_LINES = 1000
 MERGED_LINES = 5000
@@ -24,8 +25,9 @@ PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (
 FINAL = frozenset({DONE, FAILED, CANCELLED})
 
 
-@dataclass(frozen=True)
-class Line:
+class Line(NamedTuple):
+    # A NamedTuple, not a dataclass: one is built per output line, on the event server's
+    # thread, and this is twice as fast (a flood of 200k lines/s passes through here).
     seq: int
     rank: int
     stream: str  # "o" stdout, "e" stderr
@@ -49,6 +51,7 @@ class RankState:
     lines: int = 0  # lines received in all
     status_line: str = ""  # latest \r-terminated text (a progress bar drawn by the rank itself)
     progress: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bar: int | None = None  # id of the progress bar updated last (the one views show)
     metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -89,10 +92,16 @@ class JobState:
         with self.lock:
             r = self.ranks[rank]
             if kind == "out":
-                self._output(r, str(event.get("s", "o")), event.get("seg") or [])
+                text = event.get("text")
+                if isinstance(text, str):
+                    self._output_text(r, str(event.get("s", "o")), text)
+                else:
+                    self._output(r, str(event.get("s", "o")), event.get("seg") or [])
             elif kind == "progress":
                 bar = {k: event.get(k) for k in ("n", "total", "desc", "rate", "elapsed")}
-                r.progress[int(event.get("id", 0))] = bar
+                bar_id = event.get("id", 0)
+                r.bar = bar_id if isinstance(bar_id, int) else 0
+                r.progress[r.bar] = bar
             elif kind == "metrics":
                 values = event.get("values")
                 if isinstance(values, dict):
@@ -122,6 +131,27 @@ class JobState:
                 r.exit_code = event.get("exit")
             if self.state == PENDING:
                 self.state = RUNNING
+
+    def _output_text(self, r: RankState, stream: str, text: str) -> None:
+        """Fold a chunk of output: lines ended by \n, \r\n or \r, then an unfinished rest."""
+        if "\r" in text:
+            self._output(r, stream, _segments(text))
+            return
+        # The fast path, for floods: whole lines only, built in bulk.
+        parts = text.split("\n")
+        rest = parts.pop()
+        if parts:
+            key = (r.rank, stream)
+            if key in self._partial:
+                parts[0] = self._partial.pop(key) + parts[0]
+            seq, rank = self.seq, r.rank
+            lines = [Line(seq + i, rank, stream, p, "\n") for i, p in enumerate(parts, 1)]
+            self.seq = seq + len(lines)
+            r.log.extend(lines)
+            r.lines += len(lines)
+            self.merged.extend(lines)
+        if rest:
+            self._output(r, stream, [[rest, ""]])
 
     def _output(self, r: RankState, stream: str, segs: list[Any]) -> None:
         key = (r.rank, stream)
@@ -185,3 +215,18 @@ class JobState:
     def counts(self) -> dict[str, int]:
         with self.lock:
             return dict(collections.Counter(r.state for r in self.ranks))
+
+
+_BREAK = re.compile(r"(\r\n|\r|\n)")
+
+
+def _segments(text: str) -> list[list[str]]:
+    """``[text, end]`` pairs, ``end`` being ``\n`` or ``\r``; an unfinished rest ends in ``""``."""
+    parts = _BREAK.split(text)
+    segs = [
+        [line, "\r" if sep == "\r" else "\n"]
+        for line, sep in zip(parts[0:-1:2], parts[1::2], strict=True)
+    ]
+    if parts[-1]:
+        segs.append([parts[-1], ""])
+    return segs

@@ -38,8 +38,11 @@ def _descendants() -> dict[int, str]:
 @pytest.fixture(autouse=True)
 def no_leftover_processes() -> Iterator[None]:
     """After each test, every process the test started must be gone (within the 10 s bound)."""
+    from nbdist.launch.local import pool
+
     before = set(_descendants())
     yield
+    pool.clear()  # warm interpreters are meant to outlive a job, not a test
     deadline = time.monotonic() + GONE_WITHIN_S
     while True:
         left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
@@ -55,11 +58,16 @@ def no_leftover_processes() -> Iterator[None]:
 
 
 def rank_processes() -> list[psutil.Process]:
-    """Rank interpreters started from this process (for tests that check teardown)."""
+    """Rank interpreters started from this process, the idle warm ones excepted."""
+    from nbdist.launch.local import pool
+
+    warm = set(pool.pids())
     found = []
     for p in psutil.Process(os.getpid()).children(recursive=True):
         try:
-            if "nbdist.runtime" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            if p.pid in warm or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "nbdist.runtime" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:
             pass

@@ -7,16 +7,27 @@ kills its own group.
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
+from nbdist import runtime
 from nbdist.errors import CapacityError
 from nbdist.launch import Capacity, LaunchRequest
-from nbdist.rank import RankOutcome, RankSpec, Supervisor
+from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
+
+#: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
+WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
+#: Idle warm interpreters are let go after this many seconds (``NBDIST_WARM_IDLE_S``).
+WARM_IDLE_S = float(os.environ.get("NBDIST_WARM_IDLE_S", "600"))
+#: At most this many warm interpreters (each holds its imports in memory: torch ≈ 300 MB).
+WARM_MAX = 16
 
 
 def visible_gpus() -> list[str]:
@@ -48,6 +59,109 @@ def _user_paths() -> str:
     return os.pathsep.join([*keep, *([old] if old else [])])
 
 
+class WarmPool:
+    """Interpreters started ahead of the next job, with the last job's modules imported.
+
+    ``import torch`` alone takes about a second; a warm interpreter has done it while the user
+    was reading the last result. An interpreter is only reused by a job with the same Python,
+    working directory and environment it was started with; the rank's own variables (RANK,
+    MASTER_PORT, ...) reach it as a frame before the payload.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[tuple[tuple[object, ...], RankProcess]] = []
+        self._timer: threading.Timer | None = None
+        self._filler: threading.Thread | None = None
+        self._generation = 0  # bumped by clear(): a fill in flight then throws its work away
+        self.modules: list[str] = []
+
+    @staticmethod
+    def key(spec: RankSpec) -> tuple[object, ...]:
+        return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())))
+
+    def take(self, spec: RankSpec) -> RankProcess | None:
+        key = self.key(spec)
+        with self._lock:
+            for i, (k, rp) in enumerate(self._idle):
+                if k == key and rp.alive():
+                    del self._idle[i]
+                    return rp
+        return None
+
+    def fill(self, template: RankSpec, n: int, modules: list[str]) -> None:
+        """Start ``n`` warm interpreters in the background (replacing the idle ones)."""
+        if not WARM_POOL or n <= 0:
+            return
+        self.clear()
+        self.modules = sorted(set(modules))
+        with self._lock:
+            self._filler = threading.Thread(
+                target=self._start,
+                args=(template, min(n, WARM_MAX), self.modules, self._generation),
+                name="nbdist-warm", daemon=True,
+            )
+            self._filler.start()
+
+    def _start(self, template: RankSpec, n: int, modules: list[str], generation: int) -> None:
+        key = self.key(template)
+        body = json.dumps(modules).encode()
+        for _ in range(n):
+            try:
+                rp = RankProcess(template.python, template.env, template.cwd)
+            except OSError:
+                return
+            rp.send(runtime.WARM, body)
+            with self._lock:
+                stale = generation != self._generation
+                if not stale:
+                    self._idle.append((key, rp))
+            if stale:
+                rp.discard()
+                return
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(WARM_IDLE_S, self.clear)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def clear(self) -> None:
+        """Let every idle interpreter go (and wait until each is gone)."""
+        with self._lock:
+            self._generation += 1
+            idle, self._idle = self._idle, []
+            filler, self._filler = self._filler, None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        if filler is not None and filler is not threading.current_thread():
+            filler.join()
+        for _, rp in idle:
+            rp.discard()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until the interpreters being warmed have their imports."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            filler = self._filler
+        if filler is not None:
+            filler.join(timeout)
+        with self._lock:
+            idle = [rp for _, rp in self._idle]
+        return all(rp.warm.wait(max(0.0, deadline - time.monotonic())) for rp in idle)
+
+    def pids(self) -> list[int]:
+        """Process ids of the idle warm interpreters."""
+        with self._lock:
+            return [rp.pid for _, rp in self._idle if rp.alive()]
+
+
+#: The kernel's pool of warm interpreters, filled after each local job.
+pool = WarmPool()
+atexit.register(pool.clear)
+
+
 class LocalLauncher:
     """Ranks as local processes; see the module docstring."""
 
@@ -57,6 +171,9 @@ class LocalLauncher:
         self._supervisors: list[Supervisor] = []
         self._lock = threading.Lock()
         self._cancelled = False
+        self._finished = 0
+        self._np = 0
+        self._on_outcome: Callable[[RankOutcome], None] = lambda outcome: None
 
     def driver_host(self) -> str:
         return "127.0.0.1"
@@ -79,6 +196,8 @@ class LocalLauncher:
             )
 
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
+        self._on_outcome = on_outcome
+        self._np = request.np
         gpus = visible_gpus() if request.gpu else []
         env = {"PYTHONPATH": _user_paths(), **request.env}
         if not env["PYTHONPATH"]:
@@ -90,14 +209,25 @@ class LocalLauncher:
                 driver=request.driver, payload=request.payload, host="127.0.0.1", cwd=cwd,
                 gpus=(gpus[rank],) if gpus else (), env=env,
             )
-            sup = Supervisor(spec)
+            sup = Supervisor(spec, take=pool.take)
             with self._lock:
                 self._supervisors.append(sup)
                 if self._cancelled:
                     sup.cancel()
             threading.Thread(
-                target=_run, args=(sup, on_outcome), name=f"nbdist-rank-{rank}", daemon=True
+                target=_run, args=(sup, self._done), name=f"nbdist-rank-{rank}", daemon=True
             ).start()
+
+    def _done(self, outcome: RankOutcome) -> None:
+        """Pass the outcome on; after the last rank, warm interpreters for the next job."""
+        with self._lock:
+            self._finished += 1
+            last = self._finished == len(self._supervisors) == self._np
+            sups = list(self._supervisors)
+        if last and not self._cancelled:
+            modules = sorted({m for sup in sups for m in sup.modules})
+            pool.fill(sups[0].spec, len(sups), modules)
+        self._on_outcome(outcome)
 
     def cancel(self) -> None:
         with self._lock:

@@ -1,0 +1,246 @@
+"""Launch and training benchmark: nbdist against what users would pick instead.
+
+Scenarios (np = 2, CPU, gloo), every contender interleaved in each repetition, medians
+reported with the ratio to the baseline measured in the same run:
+
+1. **launch, local** — a trivial job (``import torch``, ``init_process_group("gloo")``, return
+   the rank), cold: nbdist local (no warm interpreters) vs ``torch.multiprocessing.spawn``
+   from a parent that already imported torch (baseline) vs TorchDistributor(local_mode=True)
+   vs accelerate's ``notebook_launcher``.
+2. **launch, Spark** — the same on a warm ``local[2]`` SparkSession: nbdist's Spark backend vs
+   TorchDistributor(local_mode=False) (baseline).
+3. **second run** — the trivial job again right after the first, as a user iterating does:
+   nbdist (warm interpreters) vs nbdist cold (baseline) vs mp.spawn.
+4. **training** — a small DDP training, 200 steps, each printing a line and advancing a tqdm
+   bar, end to end: nbdist (cold and warm) vs mp.spawn (baseline).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_launch.py [--reps 5] [--quick] [--no-spark]
+
+TorchDistributor needs numpy, ``pandas<3`` and pyarrow (``pip install -e '.[bench]'``); a
+contender that cannot run here is reported as such, not dropped silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+import nbdist
+from nbdist.launch import local
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 200
+
+
+# -- what every contender runs -----------------------------------------------------------------
+def trivial() -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def training(steps: int = STEPS) -> float:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 32), torch.randn(64, 1)
+    loss = torch.zeros(())
+    for step in tqdm(range(steps), mininterval=0.1):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    value = float(loss.item())
+    del model, opt
+    dist.destroy_process_group()
+    return value
+
+
+def _spawned(index: int, fn: Callable[[], Any], port: int) -> None:
+    os.environ.update(RANK=str(index), WORLD_SIZE="2", LOCAL_RANK=str(index),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn()
+
+
+# -- contenders --------------------------------------------------------------------------------
+def nbdist_cold(fn: Callable[[], Any]) -> None:
+    local.pool.clear()
+    nbdist.run(fn, np=2, backend="local").result()
+    local.pool.clear()  # the next contender must not pay for our warm-up in the background
+
+
+def spawn(fn: Callable[[], Any]) -> None:
+    from nbdist.events import free_port
+
+    mp.spawn(_spawned, args=(fn, free_port()), nprocs=2)
+
+
+def torch_distributor(local_mode: bool) -> Callable[[Callable[[], Any]], None]:
+    def go(fn: Callable[[], Any]) -> None:
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        TorchDistributor(num_processes=2, local_mode=local_mode, use_gpu=False).run(fn)
+
+    return go
+
+
+def notebook_launcher(fn: Callable[[], Any]) -> None:
+    from accelerate import notebook_launcher as launch
+
+    from nbdist.events import free_port
+
+    launch(fn, num_processes=2, use_port=str(free_port()))
+
+
+def nbdist_spark(fn: Callable[[], Any]) -> None:
+    nbdist.run(fn, np=2, backend="spark").result()
+
+
+# -- measuring ---------------------------------------------------------------------------------
+def timed(run: Callable[[Callable[[], Any]], None], fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    run(fn)
+    return time.perf_counter() - start
+
+
+def scenario(
+    name: str, contenders: dict[str, Callable[[], float]], baseline: str, reps: int
+) -> dict[str, Any]:
+    times: dict[str, list[float]] = {c: [] for c in contenders}
+    errors: dict[str, str] = {}
+    for _ in range(reps):
+        for label, measure in contenders.items():
+            if label in errors:
+                continue
+            try:
+                times[label].append(measure())
+            except Exception as exc:  # a contender that cannot run here is reported
+                errors[label] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+                traceback.print_exc()
+    medians = {c: statistics.median(t) for c, t in times.items() if t}
+    base = medians.get(baseline)
+    rows = []
+    for label in contenders:
+        if label in medians:
+            ratio = f"{medians[label] / base:.2f}×" if base else "n/a"
+            rows.append((label, f"{medians[label]:.2f} s", ratio, len(times[label])))
+        else:
+            rows.append((label, "could not run", errors.get(label, ""), 0))
+    return {"scenario": name, "baseline": baseline, "rows": rows, "samples": times,
+            "errors": errors}
+
+
+def second_run(fn: Callable[[], Any], pause: float = 0.0) -> float:
+    """The same job run again ``pause`` s after a first run: what a user iterating waits for.
+
+    The pause (not timed) stands for reading the result and editing the cell; warm
+    interpreters are started when the first run ends and need about one ``import torch`` to
+    be ready.
+    """
+    local.pool.clear()
+    nbdist.run(fn, np=2, backend="local").result()
+    local.pool.wait_ready(timeout=pause)
+    start = time.perf_counter()
+    nbdist.run(fn, np=2, backend="local").result()
+    elapsed = time.perf_counter() - start
+    local.pool.clear()
+    return elapsed
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    out = []
+    for res in results:
+        out.append(f"### {res['scenario']} (baseline: {res['baseline']})\n")
+        out.append("| contender | median | vs baseline | runs |")
+        out.append("| --- | --- | --- | --- |")
+        out.extend(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in res["rows"])
+        out.append("")
+    return "\n".join(out)
+
+
+def start_spark() -> Any:
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("nbdist-bench")
+             .config("spark.ui.enabled", "false").getOrCreate())
+    spark.sparkContext.parallelize([1, 2], 2).count()  # warm
+    return spark
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 repetitions, fewer contenders")
+    parser.add_argument("--no-spark", action="store_true", help="skip Spark and TorchDistributor")
+    args = parser.parse_args()
+    reps = 2 if args.quick else args.reps
+    spark = None if args.no_spark else start_spark()
+
+    def use(run: Callable[[Callable[[], Any]], None], fn: Callable[[], Any]) -> Callable[[], float]:
+        return lambda: timed(run, fn)
+
+    launch = {"mp.spawn": use(spawn, trivial), "nbdist local (cold)": use(nbdist_cold, trivial)}
+    if spark is not None:
+        launch["TorchDistributor local_mode=True"] = use(torch_distributor(True), trivial)
+    if not args.quick:
+        launch["accelerate notebook_launcher"] = use(notebook_launcher, trivial)
+    results = [scenario("1. launch overhead, local, np=2", launch, "mp.spawn", reps)]
+    if spark is not None:
+        results.append(scenario(
+            "2. launch overhead, Spark local[2], np=2",
+            {"TorchDistributor local_mode=False": use(torch_distributor(False), trivial),
+             "nbdist spark": use(nbdist_spark, trivial)},
+            "TorchDistributor local_mode=False", reps,
+        ))
+    results.append(scenario(
+        "3. second run of the same cell, local, np=2",
+        {"nbdist local (cold)": use(nbdist_cold, trivial),
+         "nbdist local, second run at once": lambda: second_run(trivial),
+         "nbdist local, second run once warm (≤ 5 s later)": lambda: second_run(trivial, 5.0),
+         "mp.spawn": use(spawn, trivial)},
+        "nbdist local (cold)", reps,
+    ))
+    results.append(scenario(
+        f"4. DDP training, {STEPS} steps with a print and a tqdm bar each, np=2",
+        {"mp.spawn": use(spawn, training), "nbdist local (cold)": use(nbdist_cold, training),
+         "nbdist local, second run once warm (≤ 5 s later)": lambda: second_run(training, 5.0)},
+        "mp.spawn", reps,
+    ))
+    if spark is not None:
+        spark.stop()
+    text = markdown(results)
+    print(text)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launch.md").write_text(text)
+    (out / "launch.json").write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
