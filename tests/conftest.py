@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -72,6 +73,16 @@ def rank_processes() -> list[psutil.Process]:
         except psutil.Error:
             pass
     return found
+
+
+def run(ip: Any, cell: str) -> Any:
+    """Run a cell in the shell; raise what it raised, else return its result."""
+    result = ip.run_cell(cell)
+    if result.error_before_exec is not None:
+        raise result.error_before_exec
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    return result.result
 
 
 def wait_for(predicate: object, timeout: float = 30.0, what: str = "condition") -> None:

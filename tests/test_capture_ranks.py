@@ -18,18 +18,9 @@ from nbdist import job as jobs
 from nbdist.errors import CaptureError, CaptureWarning, DistributedError
 from nbdist.events import free_port
 
-from .conftest import rank_processes
+from .conftest import rank_processes, run
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def run(ip: Any, cell: str) -> Any:
-    result = ip.run_cell(cell)
-    if result.error_before_exec is not None:
-        raise result.error_before_exec
-    if result.error_in_exec is not None:
-        raise result.error_in_exec
-    return result.result
 
 
 @pytest.fixture

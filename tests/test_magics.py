@@ -10,14 +10,7 @@ from IPython.core.error import UsageError
 
 import nbdist
 
-
-def run(ip: Any, cell: str) -> Any:
-    result = ip.run_cell(cell)
-    if result.error_before_exec is not None:
-        raise result.error_before_exec
-    if result.error_in_exec is not None:
-        raise result.error_in_exec
-    return result.result
+from .conftest import run
 
 
 @pytest.mark.parametrize(

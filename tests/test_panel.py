@@ -25,7 +25,7 @@ from nbdist.views import status
 from nbdist.views.text import TextView
 from nbdist.views.widget import LOG_VIEW_LINES, Panel, _Static
 
-from .conftest import rank_processes, wait_for
+from .conftest import rank_processes, run, wait_for
 
 
 def out(text: str, s: str = "o") -> dict[str, object]:
@@ -203,15 +203,6 @@ def test_status_reports_render_as_text_and_html() -> None:
 
 
 # -- through the magics -------------------------------------------------------------------------
-def run(ip: Any, cell: str) -> Any:
-    result = ip.run_cell(cell)
-    if result.error_before_exec is not None:
-        raise result.error_before_exec
-    if result.error_in_exec is not None:
-        raise result.error_in_exec
-    return result.result
-
-
 @pytest.fixture
 def panel_view(ip: Any) -> Any:
     """Make %%distributed show the panel in the test shell (which has no widget frontend)."""
