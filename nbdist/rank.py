@@ -40,6 +40,9 @@ BATCH_S = 0.005
 #: Pipe buffer asked for (Linux allows up to 1 MiB unprivileged) and the most read at once,
 #: so a rank printing fast does not block while its supervisor waits out ``BATCH_S``.
 PIPE_BYTES = 1 << 20
+#: A running rank's supervisor says it is alive this often, even when the rank is silent, so
+#: the driver can tell a quiet rank from a lost one (``%dist_status`` shows "last seen").
+HEARTBEAT_S = 5.0
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
@@ -279,7 +282,10 @@ class Supervisor:
         ]
         for t in pumps:
             t.start()
+        ended = threading.Event()
+        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
         code = proc.wait()
+        ended.set()
         # Whatever the rank left in its group (servers, data loader workers) goes with it; this
         # also closes the pipes those processes inherited, so the pumps reach end of file.
         self._kill_group(signal.SIGKILL)
@@ -325,6 +331,10 @@ class Supervisor:
         )
         self._ctl_thread.start()
         return rp.proc
+
+    def _beat(self, ended: threading.Event) -> None:
+        while not ended.wait(HEARTBEAT_S):
+            self._send(t="hb")
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:

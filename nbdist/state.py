@@ -45,6 +45,7 @@ class RankState:
     exit_code: int | None = None
     started: float | None = None
     ended: float | None = None
+    last_seen: float | None = None  # wall time of the rank's last event (heartbeats included)
     log: collections.deque[Line] = field(
         default_factory=lambda: collections.deque(maxlen=LOG_LINES)
     )
@@ -91,6 +92,9 @@ class JobState:
         kind = event.get("t")
         with self.lock:
             r = self.ranks[rank]
+            r.last_seen = time.time()
+            if kind == "hb":
+                return  # a heartbeat only says the rank's supervisor is alive
             if kind == "out":
                 text = event.get("text")
                 if isinstance(text, str):

@@ -276,3 +276,28 @@ def test_run_rejects_bad_arguments() -> None:
         nbdist.run(print, np=0)
     with pytest.raises(ValueError, match="timeout"):
         nbdist.run(print, np=1, timeout=0)
+
+
+def test_a_silent_rank_still_sends_heartbeats(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """A rank that prints nothing is still heard from, so it is not mistaken for a lost one."""
+    from nbdist import rank as rank_module
+
+    monkeypatch.setattr(rank_module, "HEARTBEAT_S", 0.05)
+    gate = tmp_path / "gate"
+
+    def quiet(gate: str) -> None:
+        import os
+        import time
+
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+
+    job = nbdist.run(quiet, str(gate), np=1)
+    # After "running", the quiet rank itself sends nothing more: only heartbeats can follow.
+    wait_for(lambda: job.state.ranks[0].state == state.RUNNING, 30, "the rank to run")
+    first = job.state.ranks[0].last_seen
+    wait_for(lambda: (job.state.ranks[0].last_seen or 0) > (first or 0), 30, "a heartbeat")
+    assert job.state.ranks[0].lines == 0 and not job.done()
+    gate.touch()
+    job.result(timeout=30)

@@ -59,3 +59,14 @@ def test_bad_events_are_ignored() -> None:
     job.apply(0, {"t": "out", "seg": ["not a pair", [1]]})
     job.apply(0, {"t": "metrics", "values": "nope"})
     assert job.ranks[0].lines == 0 and job.ranks[0].metrics == {}
+
+
+def test_every_event_and_heartbeat_marks_the_rank_as_seen() -> None:
+    """last_seen moves with any event, a heartbeat included, which changes nothing else."""
+    job = JobState("j", "local", 1)
+    assert job.ranks[0].last_seen is None
+    job.apply(0, {"t": "hb"})
+    seen = job.ranks[0].last_seen
+    assert seen is not None and job.ranks[0].lines == 0 and job.ranks[0].state == state.PENDING
+    job.apply(0, out(("x", "\n")))
+    assert job.ranks[0].last_seen is not None and job.ranks[0].last_seen >= seen

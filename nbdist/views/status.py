@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import statistics
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -175,12 +176,21 @@ def jobs_table(jobs: Sequence[JobState]) -> str:
     return _table(_JOB_COLUMNS, [_job_row(j) for j in jobs])
 
 
-_RANK_COLUMNS = ("rank", "state", "host", "pid", "gpu", "exit", "progress", "last line")
+_RANK_COLUMNS = (
+    "rank", "state", "host", "pid", "gpu", "exit", "seen", "progress", "last line",
+)
+
+
+def _seen(r: RankState) -> str:
+    """How long ago a running rank was last heard of (it sends a heartbeat every 5 s)."""
+    if r.state in FINAL or r.last_seen is None:
+        return "-"
+    return f"{_duration(time.time() - r.last_seen)} ago"
 
 
 def _rank_row(r: RankState) -> list[Any]:
     bar = r.progress.get(r.bar) if r.bar is not None else None
-    return [r.rank, r.state, r.host, r.pid, r.gpu or "-", r.exit_code,
+    return [r.rank, r.state, r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
             html.unescape(progress_text(bar)) if bar else "", _last(r)]
 
 
