@@ -325,3 +325,19 @@ def test_one_hundred_jobs_leak_nothing(ip: Any) -> None:
     assert after["children"] == 0
     assert after["rss_mb"] - before["rss_mb"] < 50
     assert os.getpid() == me.pid
+
+
+def test_interrupt_while_the_view_is_built_still_cancels(ip: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop button landing before the wait (here: while the view is built) cancels too."""
+    from nbdist.magics import DistMagics
+
+    def interrupted(self: Any, job: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DistMagics, "_view", interrupted)
+    result = ip.run_cell("%%distributed -np 2\nimport time\ntime.sleep(600)")
+    err = result.error_in_exec
+    assert isinstance(err, nbdist.DistributedError), repr(err)
+    assert err.reason == "cancelled" and "interrupted from the notebook" in str(err)
+    wait_for(lambda: not rank_processes(), 10, "the ranks to be stopped")
