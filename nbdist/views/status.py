@@ -203,8 +203,8 @@ def _job_head(job: JobState) -> str:
     return f"job {job.id}: {job.np} ranks on {job.backend}, {job.state}, {job.elapsed:.1f} s"
 
 
-def ranks_table(job: JobState) -> str:
-    head = _job_head(job)
+def _ranks_block(job: JobState, head: str) -> str:
+    """``head``, the reason the job ended (if any), and the table of its ranks."""
     if job.reason:
         head += f"\n{job.reason.splitlines()[0]}"
     rows, more = _rank_rows(job)
@@ -212,6 +212,10 @@ def ranks_table(job: JobState) -> str:
     if more:
         table += f"\n... and {more} more ranks ({_counts(job)})"
     return head + "\n" + table
+
+
+def ranks_table(job: JobState) -> str:
+    return _ranks_block(job, _job_head(job))
 
 
 def _log_tail(job: JobState) -> tuple[list[str], int]:
@@ -233,13 +237,7 @@ def summary_text(job: JobState) -> str:
     head = [f"[nbdist] ... {skipped} earlier lines not kept here"] if skipped else []
     counts = _counts(job)
     line = f"[nbdist] job {job.id}: {job.state} in {job.elapsed:.1f} s on {job.backend} ({counts})"
-    if job.reason:
-        line += f"\n{job.reason.splitlines()[0]}"
-    rows, more = _rank_rows(job)
-    table = _table(_RANK_COLUMNS, rows)
-    if more:
-        table += f"\n... and {more} more ranks"
-    return "\n".join([*head, *lines, line, table])
+    return "\n".join([*head, *lines, _ranks_block(job, line)])
 
 
 def summary_html(job: JobState) -> str:

@@ -8,7 +8,6 @@ no line of their own, are printed when they changed, at most every ``STATUS_EVER
 
 from __future__ import annotations
 
-import contextvars
 import html
 import sys
 import threading
@@ -17,6 +16,7 @@ from typing import TextIO
 
 from nbdist.state import FINAL, JobState, RankState
 from nbdist.views import status
+from nbdist.views._background import BackgroundRenderer
 
 #: A rank's progress, metrics or self-drawn (``\r``) line is reprinted at most this often.
 STATUS_EVERY_S = 2.0
@@ -24,7 +24,7 @@ STATUS_EVERY_S = 2.0
 RATE_HZ = 10.0
 
 
-class TextView:
+class TextView(BackgroundRenderer):
     """Prints a job's output as ``[rank N] line``; see the module docstring.
 
     Parameters
@@ -42,9 +42,8 @@ class TextView:
         self._status: dict[int, tuple[str, float]] = {}
         self._width = len(str(max(job.np - 1, 0)))
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._closed = False
+        super().__init__(f"nbdist-text-{job.id}")
 
     def _out(self) -> TextIO:
         return self.stream or sys.stdout
@@ -76,34 +75,15 @@ class TextView:
         if wrote:
             out.flush()
 
-    def start(self) -> None:
-        """Print from a background thread until the job is over, then print the summary."""
-        if self._thread is None:
-            # In the caller's context: ipykernel keeps the cell an output belongs to in a
-            # context variable, so what this thread displays or prints lands in the cell that
-            # started the job, not in whichever cell runs when the job ends (--bg).
-            ctx = contextvars.copy_context()
-            self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
-                                            name=f"nbdist-text-{self.job.id}")
-            self._thread.start()
-
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.update()
             if self.job.state in FINAL and self.job.ended is not None:
                 break
             self._stop.wait(1.0 / RATE_HZ)
-        self._close()
+        self._finish()
 
-    def close(self) -> None:
-        """Print what is left and the summary (once)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        self._close()
-
-    def _close(self) -> None:
+    def _finish(self) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -112,9 +92,6 @@ class TextView:
             self._out().write(summary(self.job) + "\n")
             self._out().flush()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
 
 def _status_of(r: RankState) -> str:

@@ -23,7 +23,6 @@ Importing this module imports ipywidgets; the magics import it only when a panel
 
 from __future__ import annotations
 
-import contextvars
 import html
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ import ipywidgets as w
 
 from nbdist.state import CANCELLED, DONE, FAILED, FINAL, JobState, RankState
 from nbdist.views import status
+from nbdist.views._background import BackgroundRenderer
 
 #: Renders per second at most, whatever the event rate.
 RATE_HZ = 10.0
@@ -154,7 +154,7 @@ def _log_html(lines: Sequence[tuple[str, str]], skipped: int, tail: str = "") ->
     return f"<pre>{note}{body}</pre>"
 
 
-class Panel:
+class Panel(BackgroundRenderer):
     """A live view of one job; renders from its own thread, at most ``RATE_HZ`` times a second.
 
     Parameters
@@ -172,9 +172,8 @@ class Panel:
         self._version = -1
         self._log_turn = 0
         self._lock = threading.Lock()  # one render at a time: the flusher, or close()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._finalized = False
+        super().__init__(f"nbdist-panel-{job.id}")
         self._handle: Any = None
 
         self.header = w.HTML(_dom_classes=("nbdist-header",))
@@ -227,29 +226,6 @@ class Panel:
         display(self.widget)
         self._handle = display(_Static(""), display_id=True)
 
-    def start(self) -> None:
-        """Render from a background thread until the job is over, then render it final."""
-        if self._thread is None:
-            # In the caller's context: ipykernel keeps the cell an output belongs to in a
-            # context variable, so what this thread displays or prints lands in the cell that
-            # started the job, not in whichever cell runs when the job ends (--bg).
-            ctx = contextvars.copy_context()
-            self._thread = threading.Thread(target=ctx.run, args=(self._loop,), daemon=True,
-                                            name=f"nbdist-panel-{self.job.id}")
-            self._thread.start()
-
-    def close(self) -> None:
-        """Stop the flusher and render the final state (once); safe to call more than once."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        self._final()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def _loop(self) -> None:
         interval = 1.0 / RATE_HZ
         while not self._stop.is_set():
@@ -257,7 +233,7 @@ class Panel:
             if self.job.state in FINAL and self.job.ended is not None:
                 break
             self._stop.wait(max(interval, sent / MESSAGES_PER_S))
-        self._final()
+        self._finish()
 
     # -- rendering ----------------------------------------------------------------------------
     def render(self) -> int:
@@ -267,7 +243,7 @@ class Panel:
                 return 0
             return self._render(final=False)
 
-    def _final(self) -> None:
+    def _finish(self) -> None:
         with self._lock:
             if self._finalized:
                 return
