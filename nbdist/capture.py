@@ -35,7 +35,7 @@ import tokenize
 import types
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +195,7 @@ def capture_cell(
     line_offset: int = 0,
     compile_flags: int = 0,
     warn_bytes: int | None = None,
+    remote_names: Collection[str] = (),
 ) -> Captured:
     """Turn a cell into a :class:`Captured`, or raise :class:`CaptureError` / ``SyntaxError``.
 
@@ -217,6 +218,9 @@ def capture_cell(
     warn_bytes : int, optional
         Warn (``CaptureWarning``) about values that pickle to more bytes than this; default
         :data:`LARGE_VALUE_BYTES`.
+    remote_names : collection of str
+        Names already defined on the ranks (a persistent session's earlier cells): neither
+        shipped nor imported, so the notebook's values never shadow the ranks' own.
 
     Raises
     ------
@@ -236,6 +240,8 @@ def capture_cell(
     shipping: dict[str, _Need] = {}
     for name, need in needs.items():
         if name in _IPYTHON_NAMES or (name.startswith("_i") and name[2:].isdigit()):
+            continue
+        if name in remote_names:
             continue
         value = user_ns.get(name, _MISSING)
         if value is _MISSING or getattr(builtins, name, _MISSING) is value:

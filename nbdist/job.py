@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
 
@@ -32,17 +32,51 @@ TEARDOWN_S = 15.0
 DRAIN_S = 10.0
 
 _ids = itertools.count(1)
-_jobs: OrderedDict[str, Job] = OrderedDict()
+
+
+class Handle(Protocol):
+    """What the magics and views use of a job: a :class:`Job`, or a session's cell."""
+
+    id: str
+    np: int
+    state: state.JobState
+
+    def done(self) -> bool: ...
+
+    def cancel(self, reason: str = ...) -> None: ...
+
+    def wait(
+        self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
+    ) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Any: ...
+
+    @property
+    def results(self) -> list[Any]: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+
+_jobs: OrderedDict[str, Handle] = OrderedDict()
 _jobs_lock = threading.Lock()
 
 
-def jobs() -> list[Job]:
+def register(job: Handle) -> None:
+    """Add a job to this kernel's list (``%dist_status``), forgetting the oldest ones."""
+    with _jobs_lock:
+        _jobs[job.id] = job
+        while len(_jobs) > HISTORY:
+            _jobs.popitem(last=False)
+
+
+def jobs() -> list[Handle]:
     """This kernel's jobs, oldest first (the last ``HISTORY`` of them)."""
     with _jobs_lock:
         return list(_jobs.values())
 
 
-def get_job(job_id: str | None = None) -> Job | None:
+def get_job(job_id: str | None = None) -> Handle | None:
     """A job by id; without an id the newest job still running, else the newest."""
     all_jobs = jobs()
     if job_id is not None:
@@ -102,8 +136,9 @@ class Job:
         timeout: float | None = None,
         env: dict[str, str] | None = None,
         label: str = "",
+        session: bool = False,
     ) -> None:
-        self.id = f"j{next(_ids)}"
+        self.id = f"{'s' if session else 'j'}{next(_ids)}"
         self.label = label
         self.np = np
         self.launcher = launcher
@@ -129,16 +164,14 @@ class Job:
         self._started = time.monotonic()
 
         launcher.check(np, self.gpu)
-        body = cloudpickle.dumps(payload)
+        body = b"" if session else cloudpickle.dumps(payload)
         self._server = events.shared_server(launcher.driver_host())
         self._server.add_job(self.id, self._secret, self)
-        with _jobs_lock:
-            _jobs[self.id] = self
-            while len(_jobs) > HISTORY:
-                _jobs.popitem(last=False)
+        if not session:  # a session's cells are the jobs users see
+            register(self)
         request = LaunchRequest(
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
-            payload=body, gpu=self.gpu, env=self._env,
+            payload=body, gpu=self.gpu, env=self._env, session=session,
         )
         try:
             launcher.start(request, self._on_outcome)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,10 @@ from traitlets import Enum, Float
 
 from nbdist import events
 from nbdist import job as jobs
+from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.views import status
+from nbdist.views.session import SessionReport
 from nbdist.views.text import TextView
 
 
@@ -29,7 +32,7 @@ from nbdist.views.text import TextView
 class Options:
     """``%%distributed``'s options, validated."""
 
-    np: int
+    np: int | None  # None: run on the kernel's session (%dist_session)
     backend: str = "auto"
     gpu: bool | None = None
     timeout: float | None = None
@@ -43,24 +46,61 @@ class Options:
     script_args: list[str] = field(default_factory=list)
 
 
-def parse_options(args: argparse.Namespace) -> Options:
-    """Validate parsed arguments; every problem is a :class:`UsageError` naming the option."""
-    if args.np is None:
-        raise UsageError("%%distributed needs -np N: the number of ranks (e.g. -np 2)")
+def _launch_arguments(func: Any) -> Any:
+    """The options of a launch, shared by ``%%distributed`` and ``%dist_session start``."""
+    for decorate in reversed((
+        argument("-np", dest="np", metavar="N",
+                 help="number of ranks; -N runs N local ranks even when Spark is active"),
+        argument("--backend", choices=("auto", "local", "spark"), default="auto",
+                 help="where ranks run (default: Spark if a session is active, else local)"),
+        argument("--gpu", dest="gpu", action="store_true", default=None,
+                 help="one GPU per rank (default: when the backend has GPUs)"),
+        argument("--no-gpu", dest="gpu", action="store_false", help="no GPUs for the ranks"),
+        argument("--env", action="append", metavar="KEY=VALUE",
+                 help="extra environment variable for every rank (repeatable)"),
+    )):
+        func = decorate(func)
+    return func
+
+
+def _parse_np(value: str | None) -> int | None:
+    if value is None:
+        return None
     try:
-        np = int(args.np)
+        np = int(value)
     except ValueError:
-        raise UsageError(f"-np takes a whole number of ranks, not {args.np!r}") from None
+        raise UsageError(f"-np takes a whole number of ranks, not {value!r}") from None
     if np == 0:
         raise UsageError("-np 0 runs nothing: give N > 0 ranks, or -N for N local ranks")
-    if args.timeout is not None and args.timeout <= 0:
-        raise UsageError(f"--timeout takes a positive number of seconds, not {args.timeout:g}")
+    return np
+
+
+def _parse_env(items: list[str] | None) -> dict[str, str]:
     env: dict[str, str] = {}
-    for item in args.env or ():
+    for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
             raise UsageError(f"--env takes KEY=VALUE (e.g. --env NCCL_DEBUG=INFO), not {item!r}")
         env[key] = value
+    return env
+
+
+def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options:
+    """Validate parsed arguments; every problem is a :class:`UsageError` naming the option.
+
+    Without ``-np`` the cell runs on the kernel's session, when ``session`` says there is one.
+    """
+    np = _parse_np(args.np)
+    if np is None and not session:
+        raise UsageError("%%distributed needs -np N: the number of ranks (e.g. -np 2), or a "
+                         "session to run on: %dist_session start -np N")
+    if np is None and (args.backend != "auto" or args.gpu is not None or args.env):
+        raise UsageError("--backend, --gpu and --env are set once for a session, when it "
+                         "starts (%dist_session start -np N --env KEY=VALUE); give -np N to "
+                         "run this cell as a job of its own instead")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout takes a positive number of seconds, not {args.timeout:g}")
+    env = _parse_env(args.env)
     if args.output is not None and not args.output.isidentifier():
         raise UsageError(f"-o takes a variable name, not {args.output!r}")
     export = getattr(args, "export", None)
@@ -100,19 +140,11 @@ class DistMagics(Magics):
     )
 
     @magic_arguments()
-    @argument("-np", dest="np", metavar="N",
-              help="number of ranks; -N runs N local ranks even when Spark is active")
-    @argument("--backend", choices=("auto", "local", "spark"), default="auto",
-              help="where ranks run (default: Spark if a session is active, else local)")
-    @argument("--gpu", dest="gpu", action="store_true", default=None,
-              help="one GPU per rank (default: when the backend has GPUs)")
-    @argument("--no-gpu", dest="gpu", action="store_false", help="no GPUs for the ranks")
+    @_launch_arguments
     @argument("--timeout", type=float, metavar="SECONDS",
               help="stop every rank and fail if the job runs longer")
     @argument("-o", dest="output", metavar="VAR",
               help="store every rank's value in VAR as a list (index = rank)")
-    @argument("--env", action="append", metavar="KEY=VALUE",
-              help="extra environment variable for every rank (repeatable)")
     @argument("--quiet", action="store_true", help="show no output, only errors and the result")
     @argument("--bg", action="store_true",
               help="run in the background: return the job at once; the panel stays live")
@@ -131,9 +163,14 @@ class DistMagics(Magics):
         The cell's imports and everything it uses from earlier cells travel with it. Every
         rank gets the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
         MASTER_PORT, ...). Output is shown live, labelled by rank. The value of the last line
-        on rank 0 is the cell's result.
+        on rank 0 is the cell's result. Without -np, the cell runs on the ranks of the
+        kernel's session (%dist_session), which keep their variables between cells.
         """
-        opts = parse_options(parse_argstring(self.distributed, line))
+        live = sessions.current()
+        opts = parse_options(parse_argstring(self.distributed, line), session=live is not None)
+        on = live if opts.np is None else None
+        if on is not None:
+            on.check_usable()
         if cell is not None and opts.script:
             raise UsageError(f"unexpected argument {opts.script!r}: the cell is what runs")
         if cell is None:
@@ -145,17 +182,20 @@ class DistMagics(Magics):
                 cell, shell.user_ns, transform=shell.transform_cell,
                 filename=f"<cell In[{shell.execution_count}]>", line_offset=1,
                 compile_flags=shell.compile.flags, warn_bytes=int(self.large_value_mb * 1e6),
+                remote_names=on.defined_names() if on is not None else (),
             )
+            np = on.np if on is not None else abs(opts.np or 1)
             if opts.show_source:
                 print(captured.function_source())
             if opts.export:
-                written = captured.export(opts.export, abs(opts.np))
+                written = captured.export(opts.export, np)
                 print(f"wrote {' and '.join(map(str, written))}; run it with: "
-                      f"torchrun --nproc-per-node {abs(opts.np)} {opts.export}")
+                      f"torchrun --nproc-per-node {np} {opts.export}")
             if opts.show_source or opts.export:
                 return None
             payload = captured.payload()
-        return self._run(payload, opts, returns=cell is not None and payload["returns_last"])
+        return self._run(payload, opts, returns=cell is not None and payload["returns_last"],
+                         on=on)
 
     def _script_payload(self, opts: Options) -> dict[str, Any]:
         if not opts.script:
@@ -168,12 +208,20 @@ class DistMagics(Magics):
             raise UsageError("--show-source and --export apply to the cell form")
         return {"kind": "script", "path": path, "argv": opts.script_args}
 
-    def _run(self, payload: dict[str, Any], opts: Options, *, returns: bool) -> Any:
-        try:
-            job = jobs.start(payload, opts.np, backend=opts.backend, gpu=opts.gpu,
-                             timeout=opts.timeout, env=opts.env)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    def _run(
+        self, payload: dict[str, Any], opts: Options, *, returns: bool,
+        on: sessions.Session | None = None,
+    ) -> Any:
+        job: jobs.Handle
+        if on is not None:
+            job = on.run_cell(payload, timeout=opts.timeout)
+        else:
+            assert opts.np is not None
+            try:
+                job = jobs.start(payload, opts.np, backend=opts.backend, gpu=opts.gpu,
+                                 timeout=opts.timeout, env=opts.env)
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
         view = None
         try:
             # From here on an interrupt (the stop button) may land anywhere, also while the
@@ -201,7 +249,7 @@ class DistMagics(Magics):
             self.shell.user_ns[opts.output] = job.results
         return job.result() if returns else None
 
-    def _view(self, job: jobs.Job) -> Any:
+    def _view(self, job: jobs.Handle) -> Any:
         """The panel in a Jupyter kernel with ipywidgets (or when configured), else text."""
         mode = self.view
         if mode == "auto":
@@ -246,6 +294,97 @@ class DistMagics(Magics):
         ended = ", ".join(f"{n} {s}" for s, n in sorted(job.state.counts().items()))
         print(f"job {job.id} cancelled: ranks {', '.join(map(str, stopped)) or 'none'} "
               f"stopped ({ended})")
+
+
+    @magic_arguments()
+    @argument("action", nargs="?", choices=("start", "stop"),
+              help="start a session, stop it, or (no action) show it")
+    @_launch_arguments
+    @argument("--idle-timeout", type=float, metavar="SECONDS",
+              help="stop the session (releasing its ranks and cluster slots) after this long "
+              "without a cell; a warning comes first")
+    @line_magic
+    def dist_session(self, line: str) -> Any:
+        """Start, stop or show the kernel's persistent session of ranks.
+
+        ``%dist_session start -np 4`` starts ranks that stay up; every ``%%distributed`` cell
+        without -np then runs on them, and what a cell defines on the ranks (a model, a data
+        set, the process group) is still there in the next. ``%dist_session stop`` ends it.
+        """
+        args = parse_argstring(self.dist_session, line)
+        live = sessions.current()
+        if args.action is None:
+            if live is None:
+                print("no session; start one with %dist_session start -np N")
+                return None
+            return SessionReport(live)
+        if args.action == "stop":
+            if live is None or not live.alive:
+                raise UsageError("no session is running" if live is None else
+                                 f"session {live.id} already ended")
+            live.stop()
+            print(f"session {live.id} stopped: its {live.np} ranks are gone")
+            return None
+        np = _parse_np(args.np)
+        if np is None:
+            raise UsageError("%dist_session start needs -np N: the number of ranks")
+        if args.idle_timeout is not None and args.idle_timeout <= 0:
+            raise UsageError(f"--idle-timeout takes a positive number of seconds, not "
+                             f"{args.idle_timeout:g}")
+        started = time.monotonic()
+        try:
+            session = sessions.start(np, backend=args.backend, gpu=args.gpu,
+                                     env=_parse_env(args.env), idle_timeout=args.idle_timeout)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"session {session.id}: {session.np} ranks ready on {session.launcher.name} in "
+              f"{time.monotonic() - started:.1f} s; %%distributed cells without -np run there")
+        return None
+
+    @magic_arguments()
+    @argument("name", help="the variable to bring back")
+    @argument("--rank", type=int, default=0, help="the rank to take it from (default 0)")
+    @line_magic
+    def dist_pull(self, line: str) -> None:
+        """Copy a variable from a session's rank into the notebook (a picklable value)."""
+        args = parse_argstring(self.dist_pull, line)
+        session = self._session()
+        if not 0 <= args.rank < session.np:
+            raise UsageError(f"--rank {args.rank}: session {session.id} has ranks 0 to "
+                             f"{session.np - 1}")
+        cell = session.run_cell({"kind": "pull", "name": args.name, "rank": args.rank})
+        value = cell.results[args.rank]
+        assert self.shell is not None
+        self.shell.user_ns[args.name] = value
+        print(f"{args.name} = rank {args.rank}'s {type(value).__name__}")
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="the notebook variables to send")
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """Copy notebook variables to every rank of the session (replacing theirs)."""
+        args = parse_argstring(self.dist_push, line)
+        session = self._session()
+        shell = self.shell
+        assert shell is not None
+        for name in args.names:
+            if name not in shell.user_ns:
+                raise UsageError(f"the notebook has no variable {name!r} to push")
+            # Capture applies its rules (refusals, size warnings) to a cell naming the value.
+            captured = capture_cell(name, shell.user_ns,
+                                    warn_bytes=int(self.large_value_mb * 1e6))
+            if not captured.values:
+                raise UsageError(f"{name!r} is a module or an import in the notebook; import "
+                                 f"it in a %%distributed cell instead")
+            session.run_cell({"kind": "push", "name": name, "data": captured.data}).result()
+        print(f"pushed {', '.join(args.names)} to the {session.np} ranks of {session.id}")
+
+    def _session(self) -> sessions.Session:
+        live = sessions.current()
+        if live is None:
+            raise UsageError("no session; start one with %dist_session start -np N")
+        live.check_usable()
+        return live
 
 
 def _widget_frontend(shell: Any) -> bool:

@@ -11,12 +11,16 @@ Imports only the standard library and psutil: it runs inside Spark's Python work
 
 from __future__ import annotations
 
+import base64
 import codecs
 import collections
+import hashlib
+import hmac
 import json
 import os
 import queue
 import re
+import secrets
 import select
 import signal
 import subprocess
@@ -43,10 +47,17 @@ PIPE_BYTES = 1 << 20
 #: A running rank's supervisor says it is alive this often, even when the rank is silent, so
 #: the driver can tell a quiet rank from a lost one (``%dist_status`` shows "last seen").
 HEARTBEAT_S = 5.0
+#: How often a session's supervisor checks that the driver is still there.
+DRIVER_CHECK_S = 0.5
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
 TAIL_LINES = 20
+#: A session cell's value travels to the driver in pieces of this many base64 characters,
+#: well below the event server's longest line.
+RESULT_CHUNK = 4 * 1024 * 1024
+#: How long a session cell's value waits for the cell's last output to be forwarded first.
+SYNC_WAIT_S = 2.0
 
 
 class RankProcess:
@@ -61,6 +72,9 @@ class RankProcess:
         ctl_out_r, ctl_out_w = os.pipe()
         full = {**os.environ, **env}
         full["NBDIST_CTL_IN"], full["NBDIST_CTL_OUT"] = str(ctl_in_r), str(ctl_out_w)
+        #: What the interpreter writes on stdout and stderr after a session cell's output.
+        self.sync_marker = f"\x1fnbdist-sync-{secrets.token_hex(8)}\x1f\n"
+        full["NBDIST_SYNC"] = self.sync_marker
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
             self.proc = subprocess.Popen(
@@ -150,6 +164,9 @@ class RankSpec:
     env: dict[str, str] = field(default_factory=dict)  # set at spawn, before the rendezvous env
     python: str = sys.executable
     rendezvous_timeout: float = 300.0
+    #: A persistent session's rank (``%dist_session``): no payload at start; cells arrive from
+    #: the driver over the event channel, one after another, until it says ``quit``.
+    session: bool = False
 
 
 @dataclass
@@ -209,6 +226,12 @@ class Supervisor:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
+        # A session's cells: the one running, and how many sync markers each stream has shown.
+        self._cell: int | None = None
+        self._quitting = False
+        self._synced = {"o": 0, "e": 0}
+        self._cells_ended = 0
+        self._sync_cond = threading.Condition()
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -217,6 +240,24 @@ class Supervisor:
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
+        elif self.spec.session:
+            self._session_message(msg)
+
+    def _session_message(self, msg: events.Event) -> None:
+        """A session's driver messages: run a cell, interrupt it, end the session."""
+        rp = self._rp
+        kind = msg.get("t")
+        if rp is None:
+            return
+        if kind == "cell":
+            self._cell = int(msg["id"])
+            if not rp.send(runtime.PAYLOAD, base64.b64decode(msg["payload"])):
+                pass  # the rank is gone; its exit ends the session with the reason
+        elif kind == "interrupt":  # the rank's code gets a KeyboardInterrupt
+            rp.send(runtime.INTERRUPT, str(int(msg["id"])).encode())
+        elif kind == "quit":
+            self._quitting = True
+            rp.send(runtime.QUIT, b"")
 
     def _send(self, **event: Any) -> None:
         if self._client is not None:
@@ -296,9 +337,9 @@ class Supervisor:
             spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
         )
-        if self._result is not None:
+        if self._result is not None or (self._quitting and code == 0):
             # The value was delivered and output flushed: a crash after that (torch's teardown
-            # abort) does not make the rank a failure.
+            # abort) does not make the rank a failure. A session's rank ends on ``quit``.
             outcome.status = "done"
         elif self._cancelled.is_set() and self._error is None:
             outcome.status = "cancelled"
@@ -322,9 +363,11 @@ class Supervisor:
             self._rp = rp
         # The environment also travels as a frame: a warm interpreter was started before the
         # rendezvous and sets it itself before running anything of the user's.
-        if not (rp.send(runtime.ENV, json.dumps({"env": {**spec.env, **world},
-                                                 "cwd": spec.cwd}).encode())
-                and rp.send(runtime.PAYLOAD, spec.payload) and rp.send(runtime.QUIT, b"")):
+        env = json.dumps({"env": {**spec.env, **world}, "cwd": spec.cwd}).encode()
+        if spec.session:
+            rp.send(runtime.ENV, env)  # cells follow from the driver (_session_message)
+        elif not (rp.send(runtime.ENV, env) and rp.send(runtime.PAYLOAD, spec.payload)
+                  and rp.send(runtime.QUIT, b"")):
             pass  # the rank died at start-up; its exit status and stderr will say why
         self._ctl_thread = threading.Thread(
             target=self._read_control, args=(rp,), daemon=True
@@ -333,8 +376,17 @@ class Supervisor:
         return rp.proc
 
     def _beat(self, ended: threading.Event) -> None:
-        while not ended.wait(HEARTBEAT_S):
-            self._send(t="hb")
+        """Heartbeats; a session's rank also goes when its driver does (the kernel stopped)."""
+        last = time.monotonic()
+        while not ended.wait(DRIVER_CHECK_S if self.spec.session else HEARTBEAT_S):
+            client = self._client
+            if self.spec.session and (client is None or not client.alive):
+                self.cancel()
+                return
+            if time.monotonic() - last >= HEARTBEAT_S:
+                last = time.monotonic()
+                rp = self._rp
+                self._send(t="hb", rss=_rss(rp.pid) if rp is not None else None)
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:
@@ -352,10 +404,31 @@ class Supervisor:
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._send(**event)
+            elif self.spec.session and kind in (runtime.RESULT, runtime.ERROR):
+                self._cell_ended(kind, body)
             elif kind == runtime.RESULT:
                 self._result = body
             elif kind == runtime.ERROR:
                 self._error = json.loads(body)
+
+    def _cell_ended(self, kind: int, body: bytes) -> None:
+        """Send a session cell's value or error to the driver, after the cell's output."""
+        cell, self._cell = self._cell, None
+        self._cells_ended += 1  # the rank wrote one marker per stream before this frame
+        with self._sync_cond:
+            want = self._cells_ended
+            self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
+        if kind == runtime.ERROR:
+            self._send(t="cell_error", cell=cell, error=json.loads(body))
+            return
+        # Signed with the session's secret, and checked before the driver unpickles it.
+        mac = hmac.new(bytes.fromhex(self.spec.secret), f"{cell}:".encode() + body,
+                       hashlib.sha256).hexdigest()
+        text = base64.b64encode(body).decode()
+        for start in range(0, max(len(text), 1), RESULT_CHUNK):
+            last = start + RESULT_CHUNK >= len(text)
+            self._send(t="cell_result", cell=cell, data=text[start:start + RESULT_CHUNK],
+                       more=not last, type=self._result_type, mac=mac if last else None)
 
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -388,13 +461,18 @@ class Supervisor:
                         if not data:
                             break
                         text = decoder.decode(data)
+                        marks = 0
+                        if self.spec.session:
+                            text, marks = self._strip_sync(text)
                         if cut:
                             # The rest of an overlong line: drop it up to its end, then say
                             # how much went, as _cut does for a line that came whole.
                             end = _first_break(text)
-                            if end < 0:
+                            if end < 0 and not marks:
                                 cut += len(text)
                                 continue
+                            if end < 0:  # a session cell ended inside the overlong line
+                                end = len(text)
                             text = f" [... {cut + end} characters cut]" + text[end:]
                             cut = 0
                         if not pending:
@@ -403,6 +481,15 @@ class Supervisor:
                         if end:
                             brk = len(pending) + end
                         pending += text
+                        if marks:
+                            # A session cell ended: what it printed goes now, then its value.
+                            if pending:
+                                self._emit(stream, pending)
+                            pending, brk = "", 0
+                            with self._sync_cond:
+                                self._synced[stream] += marks
+                                self._sync_cond.notify_all()
+                            continue
                 now = time.monotonic()
                 if brk:
                     chunk, pending = pending[:brk], pending[brk:]
@@ -419,6 +506,13 @@ class Supervisor:
             rest = pending + decoder.decode(b"", final=True)
             if rest:
                 self._emit(stream, rest)
+
+    def _strip_sync(self, text: str) -> tuple[str, int]:
+        """``text`` without the rank's sync markers, and how many there were."""
+        rp = self._rp
+        marks = text.count(rp.sync_marker) if rp is not None else 0
+        return (text.replace(rp.sync_marker, ""), marks) if rp is not None and marks else (
+            text, 0)
 
     def _emit(self, stream: str, text: str) -> None:
         if len(text) > MAX_LINE_CHARS and max(map(len, text.splitlines())) > MAX_LINE_CHARS:
@@ -463,6 +557,17 @@ class Supervisor:
                     child.kill()
                 except Exception:  # psutil.Error: already gone
                     pass
+
+
+def _rss(pid: int) -> int | None:
+    """Resident memory of the rank and its children, in bytes (shown by ``%dist_session``)."""
+    try:
+        import psutil
+
+        proc = psutil.Process(pid)
+        return int(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]))
+    except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
+        return None
 
 
 def _descendants(pid: int) -> list[Any]:

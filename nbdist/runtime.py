@@ -43,6 +43,7 @@ RESULT = ord("R")  # rank → supervisor: the pickled value of a payload
 ERROR = ord("X")  # rank → supervisor: JSON {type, message, traceback}
 ENV = ord("V")  # supervisor → rank: JSON {env, cwd}, set before the next payload runs
 WARM = ord("W")  # supervisor → rank: JSON list of modules to import while waiting
+INTERRUPT = ord("I")  # supervisor → rank: the number of a session cell to interrupt
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 T = TypeVar("T")
@@ -329,6 +330,27 @@ def _import(module: str, what: str, name: str) -> Any:
         ) from None
 
 
+#: The namespace of a persistent session's cells: one per rank interpreter, kept between cells
+#: as a kernel keeps ``user_ns``. A one-off job's cell gets a fresh one.
+_session_ns: dict[str, Any] = {}
+
+
+def _namespace(payload: dict[str, Any]) -> dict[str, Any]:
+    ns = _session_ns if payload.get("session") else {}
+    if "__builtins__" not in ns:
+        ns.update({"__name__": "__main__", "__builtins__": builtins})
+        shell = _RankShell(ns)
+        ns["get_ipython"] = lambda: shell
+        ns["display"] = _display
+    return ns
+
+
+def session_names() -> list[str]:
+    """The user's names in the session namespace (what a later cell need not ship)."""
+    hidden = {"__name__", "__builtins__", "get_ipython", "display", "_exit_code"}
+    return sorted(n for n in _session_ns if n not in hidden and not n.startswith("__"))
+
+
 def _run_cell(payload: dict[str, Any]) -> Any:
     filename: str = payload["filename"]
     source: str = payload["source"]
@@ -336,10 +358,7 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     # Line numbers count from the top of the user's cell, magic line included.
     lines = ["\n"] * offset + source.splitlines(True)
     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-    ns: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
-    shell = _RankShell(ns)
-    ns["get_ipython"] = lambda: shell
-    ns["display"] = _display
+    ns = _namespace(payload)
     for name, module, attr in payload.get("imports", ()):
         what = f"from {module} import {attr}" if attr else f"import {module}"
         mod = _import(module, what, name)
@@ -386,8 +405,27 @@ def _run_call(payload: dict[str, Any]) -> Any:
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 
+def _run_pull(payload: dict[str, Any]) -> Any:
+    """``%dist_pull``: a session variable's value (from the rank asked; None from the rest)."""
+    if int(os.environ.get("RANK", "0")) != payload["rank"]:
+        return None
+    name: str = payload["name"]
+    if name not in _session_ns:
+        known = ", ".join(session_names()) or "none yet"
+        raise NameError(f"rank {payload['rank']} has no variable {name!r} (defined there: "
+                        f"{known})")
+    return _session_ns[name]
+
+
+def _run_push(payload: dict[str, Any]) -> Any:
+    """``%dist_push``: set a session variable on this rank to the notebook's value."""
+    _load_values(payload["data"], [payload["name"]], _namespace(payload))
+    return None
+
+
 _RUNNERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "cell": _run_cell, "script": _run_script, "call": _run_call,
+    "cell": _run_cell, "script": _run_script, "call": _run_call, "pull": _run_pull,
+    "push": _run_push,
 }
 
 
@@ -427,6 +465,25 @@ def _flush_all() -> None:
         ctypes.CDLL(None).fflush(None)  # C stdio buffers of extensions
     except Exception:
         pass
+
+
+#: Set by main() from NBDIST_SYNC (the supervisor's marker for this interpreter).
+_sync_marker = b""
+
+
+def _mark_synced() -> None:
+    """Write the supervisor's sync marker on stdout and stderr, after the cell's output.
+
+    A session's rank stays alive after a cell, so its output pipes never reach end of file:
+    the marker tells the supervisor that everything printed before the result has been
+    forwarded, and the cell's last lines land in its own panel, not the next cell's.
+    """
+    if _sync_marker:
+        for fd in (1, 2):
+            try:
+                os.write(fd, _sync_marker)  # one write, below PIPE_BUF: never split or interleaved
+            except OSError:
+                pass
 
 
 #: Modules loaded before any payload or warm-up: what every fresh interpreter has anyway.
@@ -474,6 +531,54 @@ def _imported_since(before: set[str]) -> list[str]:
     return sorted(names)
 
 
+#: Set while a payload runs: a SIGINT raises KeyboardInterrupt in the user's code then, and is
+#: ignored while the rank waits or reports.
+_interruptible = threading.Event()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    if _interruptible.is_set():
+        raise KeyboardInterrupt
+
+
+class _Cells:
+    """Which session cell runs, so that an interrupt reaches the cell it was meant for.
+
+    An interrupt may arrive before its cell started (still in the inbox: it is raised as the
+    cell starts) or after it ended (ignored, instead of hitting the next cell).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running: int | None = None
+        self.last = 0  # the highest cell number started
+        self.interrupted: set[int] = set()
+
+    def interrupt(self, cell: int) -> None:
+        with self.lock:
+            if cell == self.running:
+                os.kill(os.getpid(), signal.SIGINT)  # handled in the main thread, in the cell
+            elif cell > self.last:
+                self.interrupted.add(cell)
+
+    def start(self, cell: int | None) -> None:
+        """Mark ``cell`` running; raise KeyboardInterrupt if it was interrupted already."""
+        if cell is None:
+            return
+        with self.lock:
+            self.running, self.last = cell, max(self.last, cell)
+            if cell in self.interrupted:
+                self.interrupted.discard(cell)
+                raise KeyboardInterrupt
+
+    def end(self) -> None:
+        with self.lock:
+            self.running = None
+
+
+_cells = _Cells()
+
+
 def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None:
     import cloudpickle
 
@@ -492,7 +597,13 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
         _bridge_tqdm()
         chan.event(t="state", state="running")
         try:
-            value = _RUNNERS[payload["kind"]](payload)
+            _interruptible.set()
+            try:
+                _cells.start(payload.get("cell"))
+                value = _RUNNERS[payload["kind"]](payload)
+            finally:
+                _interruptible.clear()
+                _cells.end()
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 _flush_all()
@@ -504,13 +615,19 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             value = None
         except BaseException as exc:
             _flush_all()
+            if payload.get("session"):
+                _mark_synced()
             chan.send(ERROR, json.dumps(_format_error(exc)).encode())
             if not payload.get("keep"):
                 return
             continue
         finally:
             chan.event(t="modules", names=_imported_since(_AT_START))
+            if payload.get("session"):
+                chan.event(t="names", names=session_names())
         _flush_all()
+        if payload.get("session"):
+            _mark_synced()
         try:
             body = cloudpickle.dumps(value)
         except Exception as exc:
@@ -531,7 +648,8 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
 
 
 def main() -> None:
-    global _channel
+    global _channel, _sync_marker
+    _sync_marker = os.environ.pop("NBDIST_SYNC", "").encode()
     fd_in = int(os.environ.pop("NBDIST_CTL_IN"))
     fd_out = int(os.environ.pop("NBDIST_CTL_OUT"))
     ctl_in = os.fdopen(fd_in, "rb")
@@ -544,6 +662,9 @@ def main() -> None:
             frame = read_frame(ctl_in)
             if frame is None:
                 break
+            if frame[0] == INTERRUPT:
+                _cells.interrupt(int(frame[1]))
+                continue
             inbox.put(frame)
         inbox.put(None)
         if not done.is_set():
@@ -551,6 +672,7 @@ def main() -> None:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     done = threading.Event()
+    signal.signal(signal.SIGINT, _on_sigint)
     _AT_START.update(sys.modules)
     _become_subreaper()
     threading.Thread(target=watch, name="nbdist-watch", daemon=True).start()

@@ -33,6 +33,7 @@ class LaunchRequest:
     payload: bytes
     gpu: bool
     env: dict[str, str] = field(default_factory=dict)
+    session: bool = False  # ranks of a persistent session: cells arrive over the channel
 
 
 class Launcher(Protocol):

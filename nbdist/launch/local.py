@@ -173,6 +173,7 @@ class LocalLauncher:
         self._cancelled = False
         self._finished = 0
         self._np = 0
+        self._warm_after = True
         self._on_outcome: Callable[[RankOutcome], None] = lambda outcome: None
 
     def driver_host(self) -> str:
@@ -198,6 +199,8 @@ class LocalLauncher:
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
         self._on_outcome = on_outcome
         self._np = request.np
+        # A session's end releases its ranks: nothing is warmed in their place.
+        self._warm_after = not request.session
         gpus = visible_gpus() if request.gpu else []
         env = {"PYTHONPATH": _user_paths(), **request.env}
         if not env["PYTHONPATH"]:
@@ -207,7 +210,7 @@ class LocalLauncher:
             spec = RankSpec(
                 rank=rank, world_size=request.np, job_id=request.job_id, secret=request.secret,
                 driver=request.driver, payload=request.payload, host="127.0.0.1", cwd=cwd,
-                gpus=(gpus[rank],) if gpus else (), env=env,
+                gpus=(gpus[rank],) if gpus else (), env=env, session=request.session,
             )
             sup = Supervisor(spec, take=pool.take)
             with self._lock:
@@ -224,7 +227,7 @@ class LocalLauncher:
             self._finished += 1
             last = self._finished == len(self._supervisors) == self._np
             sups = list(self._supervisors)
-        if last and not self._cancelled:
+        if last and not self._cancelled and self._warm_after:
             modules = sorted({m for sup in sups for m in sup.modules})
             pool.fill(sups[0].spec, len(sups), modules)
         self._on_outcome(outcome)

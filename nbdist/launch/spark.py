@@ -442,6 +442,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
     """The function each barrier task runs; pickled by value, so it holds plain values only."""
     job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
     payload, gpu, env = request.payload, request.gpu, dict(request.env)
+    session = request.session
 
     def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
         from pyspark import BarrierTaskContext
@@ -463,14 +464,15 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
                 f"has it.",
             }}
             return
-        yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version)
+        yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
+                             session)
 
     return nbdist_rank
 
 
 def run_task(
     ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
-    payload: bytes, gpu: bool, env: dict[str, str], version: str,
+    payload: bytes, gpu: bool, env: dict[str, str], version: str, session: bool = False,
 ) -> _Fields:
     """Run one rank inside its barrier task with the shared supervisor; its outcome as fields."""
     import nbdist
@@ -488,7 +490,7 @@ def run_task(
     spec = RankSpec(
         rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
         host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
-        python=sys.executable,
+        python=sys.executable, session=session,
     )
     try:
         outcome = supervise(spec)

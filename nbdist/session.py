@@ -1,0 +1,539 @@
+"""Persistent distributed sessions (``%dist_session``): ranks that keep their state across cells.
+
+A session is a launch like any job's, on the same backends and supervisors, except that the
+ranks get no payload when they start. Each cell then travels to them over the event channel
+(``{"t": "cell"}``), runs in one namespace that lives as long as the rank's interpreter (as a
+kernel's ``user_ns`` does), and its value or error comes back the same way. The process group
+that ``dist.init_process_group()`` set up in one cell is still there in the next.
+
+The states, and who moves between them::
+
+    starting ──(every rank ready)──> idle <──(cell ends)──> running a cell
+        │                             │                         │
+        └──────(a rank dies, the driver stops it, idle timeout, kernel exit)──> ended
+
+A cell that raises leaves the session usable; a rank that dies ends it ("broken"), and so does
+a rank that does not stop within ``INTERRUPT_GRACE_S`` of an interrupt.
+
+Values come back pickled, over the channel that never unpickles anything else: each value is
+signed with HMAC-SHA256 under the session's secret by the supervisor, and the signature is
+checked before the driver unpickles it (Jupyter's own messages are signed the same way).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import hashlib
+import hmac
+import pickle
+import threading
+import time
+from typing import Any
+
+import cloudpickle
+
+from nbdist import events, state
+from nbdist.errors import DistributedError, NbdistError
+from nbdist.job import Job, choose_launcher, register
+from nbdist.launch import Launcher
+from nbdist.rank import RankOutcome
+
+#: How long ``start`` waits for every rank's interpreter to be up.
+START_S = 300.0
+#: After an interrupt (or another rank's failure), how long a cell's ranks have to stop before
+#: the session is torn down: a rank blocked in a collective never sees the KeyboardInterrupt.
+INTERRUPT_GRACE_S = 5.0
+#: How long ``stop`` waits for ranks to leave on their own before killing them.
+STOP_S = 10.0
+#: The idle-timeout warning comes this long before the session is stopped (or at half way).
+IDLE_WARNING_S = 60.0
+
+
+class SessionError(NbdistError):
+    """The session cannot run the cell: it is broken, stopped, or busy with another cell."""
+
+    def _render_traceback_(self) -> list[str]:
+        return f"{type(self).__name__}: {self}".splitlines()
+
+
+_current: Session | None = None
+_current_lock = threading.Lock()
+
+
+def current() -> Session | None:
+    """This kernel's session, live or ended (None if none was started)."""
+    return _current
+
+
+def start(
+    np: int,
+    *,
+    backend: str = "auto",
+    gpu: bool | None = None,
+    env: dict[str, str] | None = None,
+    idle_timeout: float | None = None,
+) -> Session:
+    """Start this kernel's session and wait until every rank is ready."""
+    global _current
+    with _current_lock:
+        if _current is not None and _current.alive:
+            raise SessionError(
+                f"session {_current.id} is already running ({_current.np} ranks on "
+                f"{_current.launcher.name}); stop it first with %dist_session stop"
+            )
+        launcher, n = choose_launcher(np, backend)
+        _current = Session(n, launcher, gpu=gpu, env=env, idle_timeout=idle_timeout)
+    _current.wait_ready(START_S)
+    return _current
+
+
+class Session(Job):
+    """Ranks that stay up between cells; see the module docstring.
+
+    ``run_cell`` starts a cell on every rank and returns a :class:`SessionCell`, which the
+    magics and views use like a job.
+    """
+
+    def __init__(
+        self,
+        np: int,
+        launcher: Launcher,
+        *,
+        gpu: bool | None = None,
+        env: dict[str, str] | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
+        self._ready: set[int] = set()
+        self._ready_event = threading.Event()
+        self._cell: SessionCell | None = None
+        self._cell_ids = 0
+        self._stopping = False
+        self.broken: str | None = None
+        self.names: dict[int, set[str]] = {}  # rank → names its cells defined
+        self.rss: dict[int, int] = {}  # rank → resident memory at its last heartbeat
+        self.idle_timeout = idle_timeout
+        self.idle_since = time.time()
+        self.warning = ""
+        self._idle_timer: threading.Timer | None = None
+        super().__init__({}, np, launcher, gpu=gpu, env=env, session=True)
+        self._arm_idle()
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """True until the session is stopped or broken."""
+        return not self.done() and not self._stopping and self.broken is None
+
+    @property
+    def busy(self) -> SessionCell | None:
+        """The cell running now, if any."""
+        cell = self._cell
+        return cell if cell is not None and not cell.done() else None
+
+    def defined_names(self) -> set[str]:
+        """Names the session's cells defined on the ranks (every rank's, together)."""
+        with self._lock:
+            return set().union(*self.names.values()) if self.names else set()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every rank's interpreter is up; raise if the session failed first."""
+        deadline = time.monotonic() + timeout
+        try:
+            while not self._ready_event.wait(0.1):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise SessionError(
+                        f"session {self.id}: only {len(self._ready)} of {self.np} ranks were "
+                        f"ready after {timeout:g} s; it was stopped"
+                    )
+        except KeyboardInterrupt:
+            self.stop()
+            raise
+        if self.done():
+            raise SessionError(f"session {self.id} could not start: {self.broken}")
+
+    # -- cells --------------------------------------------------------------------------------
+    def run_cell(
+        self, payload: dict[str, Any], *, timeout: float | None = None, label: str = ""
+    ) -> SessionCell:
+        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session."""
+        with self._lock:
+            self.check_usable()
+            self._cell_ids += 1
+            cell = SessionCell(self, f"{self.id}.{self._cell_ids}", timeout, label)
+            self._cell = cell
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self.warning = ""
+        register(cell)
+        body = base64.b64encode(cloudpickle.dumps(
+            {**payload, "session": True, "keep": True, "cell": self._cell_ids}))
+        message = {"t": "cell", "id": self._cell_ids, "payload": body.decode()}
+        for rank in range(self.np):
+            if not self._server.send(self.id, rank, message):
+                self._fail(f"rank {rank} of session {self.id} is not connected")
+                break
+        return cell
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise SessionError(
+                f"session {self.id} is broken: {self.broken}. Its ranks and their variables "
+                f"are gone; start a new one with %dist_session start -np {self.np}"
+            )
+        if self._stopping or self.done():
+            raise SessionError(
+                f"session {self.id} was stopped; start a new one with "
+                f"%dist_session start -np {self.np}"
+            )
+        busy = self.busy
+        if busy is not None:
+            raise SessionError(
+                f"session {self.id} is still running cell {busy.id}; wait for it to end "
+                f"(%dist_status {busy.id}) or interrupt it with %dist_cancel {busy.id}"
+            )
+
+    def _cell_over(self, cell: SessionCell) -> None:
+        with self._lock:
+            if self._cell is cell:
+                self.idle_since = time.time()
+        self._arm_idle()
+
+    def interrupt(self, cell: SessionCell, ranks: list[int]) -> None:
+        """KeyboardInterrupt in ``cell`` on ``ranks`` (also if it has not started there yet)."""
+        number = int(cell.id.rpartition(".")[2])
+        for rank in ranks:
+            self._server.send(self.id, rank, {"t": "interrupt", "id": number})
+
+    # -- the channel --------------------------------------------------------------------------
+    def on_event(self, rank: int, event: events.Event) -> None:
+        kind = event.get("t")
+        cell = self._cell
+        if kind == "cell_result" or kind == "cell_error":
+            if cell is not None:
+                cell.on_rank_end(rank, event, self._secret)
+            return
+        if kind == "names":
+            with self._lock:
+                self.names[rank] = {str(n) for n in event.get("names") or ()}
+            return
+        if kind == "hb" and isinstance(event.get("rss"), int):
+            self.rss[rank] = event["rss"]
+        if kind == "state" and event.get("state") == "ready":
+            with self._lock:
+                self._ready.add(rank)
+                if len(self._ready) == self.np:
+                    self._ready_event.set()
+        super().on_event(rank, event)
+        if cell is not None and not cell.done() and kind not in ("hb", "state"):
+            cell.state.apply(rank, event)
+        elif cell is not None and kind == "state" and event.get("state") == "running":
+            cell.state.apply(rank, event)
+
+    # -- the end ------------------------------------------------------------------------------
+    def _fail(self, reason: str) -> None:
+        """The session cannot go on: mark it broken and tear every rank down."""
+        with self._lock:
+            if self.broken is None and not self._stopping:
+                self.broken = reason
+        self._cancel(reason)
+
+    def _on_outcome(self, outcome: RankOutcome) -> None:
+        if outcome.status == "failed" and not self._stopping:
+            with self._lock:
+                if self.broken is None:
+                    self.broken = outcome.describe().splitlines()[0]
+                    self._dead = outcome
+        super()._on_outcome(outcome)
+
+    def _finish(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        super()._finish()
+        cell = self._cell
+        if cell is not None and not cell.done():
+            dead: RankOutcome | None = getattr(self, "_dead", None)
+            failures = {dead.rank: dead.describe()} if dead is not None else {}
+            cell.end(DistributedError(
+                f"session {self.id} ended while cell {cell.id} ran: "
+                f"{self.broken or self._cancel_reason}", job_id=cell.id, reason="failed",
+                failures=failures,
+            ))
+        self._ready_event.set()
+
+    def stop(self, reason: str = "stopped with %dist_session stop") -> None:
+        """End the session: every rank leaves (killed after ``STOP_S``); nothing lingers."""
+        with self._lock:
+            self._stopping = True
+        cell = self.busy
+        if cell is not None:
+            cell.end(DistributedError(
+                f"cell {cell.id} was stopped with its session {self.id} ({reason})",
+                job_id=cell.id, reason="cancelled",
+            ))
+        for rank in range(self.np):
+            self._server.send(self.id, rank, {"t": "quit"})
+        if not self.wait(STOP_S):
+            self._cancel(reason)
+            self.wait(STOP_S)
+
+    # -- idle timeout -------------------------------------------------------------------------
+    def _arm_idle(self) -> None:
+        if self.idle_timeout is None or not self.alive:
+            return
+        warn_in = max(self.idle_timeout - IDLE_WARNING_S, self.idle_timeout / 2)
+        with self._lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+            self._idle_timer = threading.Timer(warn_in, self._idle_warn, args=(self.idle_since,))
+            self._idle_timer.daemon = True
+            self._idle_timer.start()
+
+    def _idle_warn(self, since: float) -> None:
+        if self.busy is not None or since != self.idle_since or not self.alive:
+            return
+        assert self.idle_timeout is not None
+        left = self.idle_timeout - (time.time() - since)
+        self.warning = (
+            f"session {self.id} has been idle for {time.time() - since:.0f} s and will be "
+            f"stopped in {left:.0f} s (--idle-timeout {self.idle_timeout:g}); run a cell on it "
+            f"to keep it"
+        )
+        # A thread's print reaches the notebook under the cell that ran last.
+        print(f"nbdist: {self.warning}", flush=True)
+        with self._lock:
+            self._idle_timer = threading.Timer(max(left, 0.0), self._idle_stop, args=(since,))
+            self._idle_timer.daemon = True
+            self._idle_timer.start()
+
+    def _idle_stop(self, since: float) -> None:
+        if self.busy is None and since == self.idle_since and self.alive:
+            print(f"nbdist: session {self.id} was idle for {self.idle_timeout:g} s "
+                  f"(--idle-timeout): stopping it to release its ranks", flush=True)
+            self.stop(f"idle for {self.idle_timeout:g} s (--idle-timeout)")
+
+    def __repr__(self) -> str:
+        how = "broken" if self.broken else "live" if self.alive else "ended"
+        return f"<nbdist session {self.id}: {self.np} ranks on {self.launcher.name}, {how}>"
+
+
+class SessionCell:
+    """One cell run on a session's ranks: used like a :class:`~nbdist.job.Job` (``Handle``)."""
+
+    def __init__(
+        self, session: Session, cell_id: str, timeout: float | None, label: str
+    ) -> None:
+        self.id = cell_id
+        self.session = session
+        self.np = session.np
+        self.label = label
+        self.launcher = session.launcher
+        self.timeout = timeout
+        self.state = state.JobState(cell_id, session.launcher.name, session.np)
+        for r in session.state.ranks:  # the ranks' hosts and pids are the session's
+            self.state.apply(r.rank, {"t": "hello", "host": r.host,
+                                      "gpus": r.gpu.split(",") if r.gpu else []})
+            self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
+        self._lock = threading.Lock()
+        self._parts: dict[int, list[str]] = {}
+        self._values: dict[int, Any] = {}
+        self._errors: dict[int, str] = {}
+        self._first_error: int | None = None
+        self._interrupted: str | None = None
+        self._grace: threading.Timer | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._timer: threading.Timer | None = None
+        if timeout is not None:
+            self._timer = threading.Timer(timeout, self.cancel,
+                                          args=(f"timed out after {timeout:g} s",))
+            self._timer.daemon = True
+            self._timer.start()
+
+    # -- from the session's channel -----------------------------------------------------------
+    def on_rank_end(self, rank: int, event: events.Event, secret: str) -> None:
+        if event.get("t") == "cell_error":
+            error = event.get("error") or {}
+            text = str(error.get("traceback") or "") or (
+                f"{error.get('type')}: {error.get('message')}\n")
+            self._rank_ended(rank, None, (str(error.get("type")), str(error.get("message")),
+                                          text))
+            return
+        with self._lock:
+            parts = self._parts.setdefault(rank, [])
+            parts.append(str(event.get("data") or ""))
+            if event.get("more"):
+                return
+            body = base64.b64decode("".join(self._parts.pop(rank)))
+        cell_no = self.id.rpartition(".")[2]
+        mac = hmac.new(bytes.fromhex(secret), f"{cell_no}:".encode() + body,
+                       hashlib.sha256).hexdigest()
+        if not hmac.compare_digest(mac, str(event.get("mac"))):
+            self._rank_ended(rank, None, ("SecurityError", "bad signature",
+                                          "the value's signature did not match; not unpickled\n"))
+            return
+        try:
+            value = pickle.loads(body)
+        except Exception as exc:
+            kind = event.get("type")
+            self._rank_ended(rank, None, (
+                "UnpicklingError", f"{type(exc).__name__}: {exc}",
+                f"rank {rank}'s value (a {kind}) cannot be unpickled in the notebook: "
+                f"{type(exc).__name__}: {exc}. Return plain values or make the class "
+                f"importable in the notebook.\n"))
+            return
+        self._rank_ended(rank, value, None)
+
+    def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
+        with self._lock:
+            if self._done.is_set() or rank in self._values or rank in self._errors:
+                return
+            if error is None:
+                self._values[rank] = value
+            else:
+                self._errors[rank] = error[2]
+                if self._first_error is None and error[0] != "KeyboardInterrupt":
+                    self._first_error = rank
+                    self._first_what = f"{error[0]}: {error[1]}"
+            running = [r for r in range(self.np) if r not in self._values and
+                       r not in self._errors]
+            first_failure = error is not None and self._interrupted is None and running
+        self.state.set_rank(rank, state.DONE if error is None else state.FAILED)
+        if first_failure:
+            # Others may wait for this rank in a collective: stop them as an interrupt does.
+            self.cancel(f"rank {rank} failed")
+        if not running:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+        if self._first_error is not None:
+            first = self._first_error
+            others = sorted(r for r in self._errors if r != first)
+            msg = f"rank {first} of {self.np} failed: {self._first_what}"
+            if others:
+                msg += f" (ranks {', '.join(map(str, others))} were interrupted after it)"
+            msg += f"; session {self.session.id} is still running"
+            failures = {first: self._errors[first]}
+            self.end(DistributedError(msg, job_id=self.id, reason="failed", failures=failures))
+        elif self._errors:
+            self.end(DistributedError(
+                f"cell {self.id} was interrupted ({self._interrupted}) on ranks "
+                f"{', '.join(map(str, sorted(self._errors)))}; session {self.session.id} is "
+                f"still running, its variables intact", job_id=self.id, reason="cancelled",
+            ))
+        else:
+            self.end(None)
+
+    def end(self, error: BaseException | None) -> None:
+        """The cell is over, with ``error`` or rank values; idempotent."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+        for timer in (self._timer, self._grace):
+            if timer is not None:
+                timer.cancel()
+        if error is None:
+            final = state.DONE
+        else:
+            final = state.CANCELLED if getattr(error, "reason", "") == "cancelled" else (
+                state.FAILED)
+        for r in range(self.np):
+            if r not in self._values and r not in self._errors:
+                self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
+        self.state.finish(final, "" if error is None else str(error))
+        self.session._cell_over(self)
+
+    # -- the Handle interface -------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self, reason: str = "interrupted from the notebook") -> None:
+        """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
+        within ``INTERRUPT_GRACE_S``, tears the session down."""
+        if self._done.is_set():
+            return
+        with self._lock:
+            again = self._interrupted is not None
+            if not again:
+                self._interrupted = reason
+            running = [r for r in range(self.np) if r not in self._values and
+                       r not in self._errors]
+        if again:
+            return  # the grace timer below is already running
+        self.session.interrupt(self, running)
+        self._grace = threading.Timer(INTERRUPT_GRACE_S, self._stuck, args=(reason,))
+        self._grace.daemon = True
+        self._grace.start()
+
+    def _stuck(self, reason: str) -> None:
+        if self._done.is_set():
+            return
+        with self._lock:
+            running = [r for r in range(self.np) if r not in self._values and
+                       r not in self._errors]
+        self.session._fail(
+            f"ranks {', '.join(map(str, running))} did not stop within {INTERRUPT_GRACE_S:g} s "
+            f"of the interrupt ({reason}; a rank blocked in a collective never sees it)"
+        )
+
+    def wait(
+        self, timeout: float | None = None, on_tick: Any = None
+    ) -> bool:
+        """Block until the cell is over (True) or ``timeout`` passed (False).
+
+        A KeyboardInterrupt interrupts the cell on the ranks and waits for them; a second one
+        tears the session down.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._done.wait(0.1):
+                if on_tick is not None:
+                    on_tick()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+        except KeyboardInterrupt:
+            self.cancel("interrupted from the notebook")
+            try:
+                self._done.wait(INTERRUPT_GRACE_S + STOP_S)
+            except KeyboardInterrupt:  # a second stop: do not wait for the ranks any longer
+                self.session._fail(f"interrupted twice while cell {self.id} ran")
+                self._done.wait(STOP_S)
+            raise
+        if on_tick is not None:
+            on_tick()
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's value; raises :class:`DistributedError` if the cell failed."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"cell {self.id} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._values.get(0)
+
+    @property
+    def results(self) -> list[Any]:
+        """Every rank's value, index = rank."""
+        self.result()
+        return [self._values.get(r) for r in range(self.np)]
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def __repr__(self) -> str:
+        return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.state}>"
+
+
+def _stop_at_exit() -> None:
+    session = _current
+    if session is not None and session.alive:
+        session.stop("the kernel is shutting down")
+
+
+atexit.register(_stop_at_exit)

@@ -1,0 +1,183 @@
+"""Persistent sessions on local ranks (``%dist_session``), through a real IPython shell."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from nbdist import session as sessions
+from nbdist.errors import DistributedError
+
+from .conftest import GONE_WITHIN_S, rank_processes, run
+
+
+@pytest.fixture
+def live(ip: Any) -> Iterator[sessions.Session]:
+    """A two-rank local session, stopped after the test."""
+    run(ip, "%dist_session start -np -2")
+    live = sessions.current()
+    assert live is not None and live.alive
+    yield live
+    if live.alive:
+        live.stop()
+
+
+def test_state_and_process_group_persist_across_cells(ip: Any, live: sessions.Session) -> None:
+    """A model and a gloo process group made in one cell are used by the next two."""
+    run(ip, "%%distributed\n"
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "torch.manual_seed(0)\n"
+            "model = torch.nn.Linear(2, 1)\n"
+            "calls = 1")
+    total = run(ip, "%%distributed\n"
+                    "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+                    "dist.all_reduce(t)\n"
+                    "calls += 1\n"
+                    "t.item()")
+    assert total == 3.0
+    ranks = run(ip, "%%distributed -o per_rank\n"
+                    "calls += 1\n"
+                    "(dist.get_rank(), calls, tuple(model.weight.shape))")
+    assert ranks == (0, 3, (1, 2))
+    assert [r[0] for r in ip.user_ns["per_rank"]] == [0, 1]
+    assert {"model", "calls", "dist", "torch"} <= live.defined_names()
+
+
+def test_rank_names_are_not_shipped_or_shadowed(ip: Any, live: sessions.Session) -> None:
+    """A name the ranks defined wins over the notebook's; notebook helpers still travel."""
+    run(ip, "%%distributed\nimport os\nlr = 0.1 * (int(os.environ['RANK']) + 1)")
+    run(ip, "lr = 'the notebook value'\ndef double(v):\n    return 2 * v")
+    assert run(ip, "%%distributed -o values\ndouble(lr)") == pytest.approx(0.2)
+    assert ip.user_ns["values"] == [pytest.approx(0.2), pytest.approx(0.4)]
+
+
+def test_error_on_one_rank_keeps_the_session(ip: Any, live: sessions.Session) -> None:
+    """An exception names its rank, the other rank is interrupted, the state survives."""
+    run(ip, "%%distributed\nimport os\nrank = int(os.environ['RANK'])\nkept = 'yes'")
+    with pytest.raises(DistributedError) as err:
+        run(ip, "%%distributed\n"
+                "import time\n"
+                "if rank == 1:\n"
+                "    raise ValueError('bad batch')\n"
+                "while True:\n"
+                "    time.sleep(0.01)  # rank 0 would wait for rank 1 forever")
+    assert "rank 1 of 2 failed: ValueError: bad batch" in str(err.value)
+    assert "still running" in str(err.value)
+    assert "bad batch" in err.value.failures[1]
+    assert live.alive
+    assert run(ip, "%%distributed -o both\nkept + str(rank)") == "yes0"
+    assert ip.user_ns["both"] == ["yes0", "yes1"]
+
+
+def test_interrupt_stops_the_cell_not_the_session(ip: Any, live: sessions.Session) -> None:
+    """%dist_cancel interrupts a running cell with KeyboardInterrupt; variables stay."""
+    run(ip, "%%distributed\nsteps = 0")
+    cell = run(ip, "%%distributed --bg --quiet\n"
+                   "import time\n"
+                   "while True:\n"
+                   "    steps += 1\n"
+                   "    time.sleep(0.01)")
+    from .conftest import wait_for
+
+    wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
+    run(ip, f"%dist_cancel {cell.id}")
+    assert cell.done() and cell.error is not None
+    assert cell.error.reason == "cancelled"  # type: ignore[attr-defined]
+    assert live.alive
+    assert run(ip, "%%distributed\nsteps > 0") is True
+
+
+def test_rank_that_ignores_the_interrupt_ends_the_session(ip: Any, live: sessions.Session
+                                                          ) -> None:
+    """A rank that swallows KeyboardInterrupt is torn down within the 10 s bound."""
+    cell = run(ip, "%%distributed --bg --quiet\n"
+                   "import time\n"
+                   "while True:\n"
+                   "    try:\n"
+                   "        time.sleep(0.01)\n"
+                   "    except KeyboardInterrupt:\n"
+                   "        pass")
+    from .conftest import wait_for
+
+    wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
+    started = time.monotonic()
+    cell.cancel("interrupted from the notebook")
+    assert cell.wait(GONE_WITHIN_S)
+    assert live.wait(GONE_WITHIN_S)
+    assert time.monotonic() - started < GONE_WITHIN_S
+    assert live.broken is not None and "did not stop" in live.broken
+    assert not rank_processes()
+    with pytest.raises(sessions.SessionError, match="is broken.*%dist_session start -np 2"):
+        run(ip, "%%distributed\n1")
+
+
+def test_killed_rank_breaks_the_session(ip: Any, live: sessions.Session) -> None:
+    """A rank killed by a signal fails the cell naming it; the next cell says how to restart."""
+    with pytest.raises(DistributedError) as err:
+        run(ip, "%%distributed\n"
+                "import os, signal, time\n"
+                "if os.environ['RANK'] == '1':\n"
+                "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "time.sleep(60)")
+    assert "SIGKILL" in str(err.value) or "SIGKILL" in "".join(err.value.failures.values())
+    assert live.wait(GONE_WITHIN_S)
+    assert live.broken is not None and "rank 1" in live.broken
+    with pytest.raises(sessions.SessionError, match="broken"):
+        run(ip, "%%distributed\n1")
+    assert not rank_processes()
+
+
+def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:
+    """%dist_push sends a notebook value to every rank; %dist_pull brings one back."""
+    run(ip, "weights = {'w': [1.0, 2.0]}")
+    run(ip, "%dist_push weights")
+    run(ip, "%%distributed\nimport os\nweights['rank'] = int(os.environ['RANK'])")
+    run(ip, "%dist_pull weights --rank 1")
+    assert ip.user_ns["weights"] == {"w": [1.0, 2.0], "rank": 1}
+    with pytest.raises(DistributedError, match="rank 0 has no variable 'nothing'"):
+        run(ip, "%dist_pull nothing")
+    assert live.alive
+
+
+def test_show_and_stop_leave_nothing_running(ip: Any) -> None:
+    """%dist_session shows ranks and names; stop ends every rank; a new cell needs -np."""
+    run(ip, "%dist_session start -np -2 --idle-timeout 600")
+    run(ip, "%%distributed\nalpha = 1")
+    report = repr(run(ip, "%dist_session"))
+    assert "2 ranks on local, live" in report and "alpha" in report
+    assert "idle timeout 600 s" in report
+    assert len(rank_processes()) == 2
+    run(ip, "%dist_session stop")
+    assert not rank_processes()
+    with pytest.raises(sessions.SessionError, match="was stopped"):
+        run(ip, "%%distributed\n1")
+    assert run(ip, "%%distributed -np -1 --quiet\n41 + 1") == 42
+
+
+def test_idle_timeout_warns_then_stops(ip: Any, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """After --idle-timeout without a cell, a warning is printed, then the session stops."""
+    monkeypatch.setattr(sessions, "IDLE_WARNING_S", 1.0)
+    run(ip, "%dist_session start -np -1 --idle-timeout 2")
+    live = sessions.current()
+    assert live is not None
+    assert live.wait(GONE_WITHIN_S)
+    out = capsys.readouterr().out
+    assert "will be stopped in" in out and "was idle for 2 s (--idle-timeout): stopping" in out
+    assert not rank_processes()
+
+
+def test_session_usage_errors(ip: Any, live: sessions.Session) -> None:
+    """Options that belong to the session's start are refused on its cells, by name."""
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="--backend, --gpu and --env are set once"):
+        run(ip, "%%distributed --env A=1\n1")
+    with pytest.raises(sessions.SessionError, match="already running"):
+        run(ip, "%dist_session start -np -2")
+    with pytest.raises(UsageError, match="--rank 5: session .* has ranks 0 to 1"):
+        run(ip, "%dist_pull x --rank 5")
