@@ -1,0 +1,85 @@
+"""Persistent sessions on a real ``local[2]`` SparkSession: the ranks are one long barrier stage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from nbdist import session as sessions
+from nbdist.errors import DistributedError
+
+from ..conftest import GONE_WITHIN_S, run
+from .conftest import marked_rank_processes
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def spark_session_ranks(ip: Any, spark_local: SparkSession) -> Iterator[sessions.Session]:
+    """A two-rank nbdist session whose ranks are tasks of one Spark barrier stage."""
+    run(ip, "%dist_session start -np 2")
+    live = sessions.current()
+    assert live is not None and live.launcher.name == "spark"
+    yield live
+    if live.alive:
+        live.stop()
+
+
+def test_state_persists_and_errors_keep_the_session(
+    ip: Any, spark_session_ranks: sessions.Session
+) -> None:
+    """A process group and a model outlive their cell; an error on one rank keeps them."""
+    run(ip, "%%distributed\n"
+            "import torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "model = torch.nn.Linear(3, 1)\n"
+            "seen = [dist.get_rank()]")
+    with pytest.raises(DistributedError, match="rank 0 of 2 failed: KeyError"):
+        run(ip, "%%distributed\nif dist.get_rank() == 0:\n    {}['missing']\nseen.append(1)")
+    assert spark_session_ranks.alive
+    total = run(ip, "%%distributed -o all_seen\n"
+                    "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+                    "dist.all_reduce(t)\n"
+                    "(t.item(), tuple(model.weight.shape))")
+    assert total == (3.0, (1, 3))
+    # rank 1 appended before it was interrupted or after rank 0 failed; rank 0 never did
+    assert run(ip, "%%distributed\nseen") == [0]
+
+
+def test_killed_rank_breaks_the_spark_session(
+    ip: Any, spark_session_ranks: sessions.Session, spark_mark: str
+) -> None:
+    """A rank killed inside its barrier task ends the stage and marks the session broken."""
+    with pytest.raises(DistributedError, match="SIGKILL|rank 1"):
+        run(ip, "%%distributed\n"
+                "import os, signal, time\n"
+                "if os.environ['RANK'] == '1':\n"
+                "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                "time.sleep(60)")
+    assert spark_session_ranks.wait(GONE_WITHIN_S)
+    assert spark_session_ranks.broken is not None
+    with pytest.raises(sessions.SessionError, match="broken"):
+        run(ip, "%%distributed\n1")
+    assert not marked_rank_processes(spark_mark)
+
+
+def test_other_spark_jobs_run_beside_a_session(ip: Any, spark_local: SparkSession,
+                                               spark_mark: str) -> None:
+    """A one-rank session holds one of two slots; the notebook's Spark jobs use the other."""
+    run(ip, "%dist_session start -np 1")
+    live = sessions.current()
+    assert live is not None
+    try:
+        run(ip, "%%distributed\nimport os\nowner = os.environ['NBDIST_JOB_ID']")
+        assert spark_local.range(1000).selectExpr("sum(id)").collect()[0][0] == 499500
+        assert run(ip, "%%distributed\nowner") == live.id
+        assert marked_rank_processes(spark_mark)
+    finally:
+        run(ip, "%dist_session stop")
+    assert live.done() and live.broken is None
+    assert not marked_rank_processes(spark_mark)
+    # the stage is over: both slots are free for the next job
+    assert run(ip, "%%distributed -np 2 --quiet\n7") == 7
