@@ -418,6 +418,9 @@ class Supervisor:
         with self._sync_cond:
             want = self._cells_ended
             self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
+        rp = self._rp
+        if rp is not None:  # the memory the cell left behind, for %dist_session
+            self._send(t="hb", rss=_rss(rp.pid))
         if kind == runtime.ERROR:
             self._send(t="cell_error", cell=cell, error=json.loads(body))
             return

@@ -42,3 +42,19 @@ def test_quickstart_trains_on_two_ranks() -> None:
     assert "{'rank': 0, 'accuracy':" in train
     accuracy = float(re.search(r"accuracy on 297 held-out digits: ([\d.]+)%", texts[3]).group(1))
     assert accuracy > 80
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sessions_notebook_iterates_on_live_ranks() -> None:
+    """The sessions notebook trains twice on the same ranks and pulls the history back."""
+    texts = execute("02-sessions.ipynb")
+    assert "2 ranks ready on local" in texts[1]
+    assert "[rank 0] epochs so far: 20" in texts[4] and "[rank 1] epochs so far: 20" in texts[4]
+    assert "[rank 0] epochs so far: 40" in texts[5]  # the second run went on from the first
+    first, second = float(texts[4].split()[-1]), float(texts[5].split()[-1])
+    assert second < first
+    assert "40 epochs: loss" in texts[6]
+    assert "defined on the ranks:" in texts[7] and "history" in texts[7]
+    assert "MB" in texts[7]  # each rank's memory, reported after every cell
+    assert "stopped: its 2 ranks are gone" in texts[8]
