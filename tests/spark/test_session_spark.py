@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,3 +84,27 @@ def test_other_spark_jobs_run_beside_a_session(ip: Any, spark_local: SparkSessio
     assert not marked_rank_processes(spark_mark)
     # the stage is over: both slots are free for the next job
     assert run(ip, "%%distributed -np 2 --quiet\n7") == 7
+
+
+def test_killed_kernel_takes_its_spark_session_ranks_along(spark_mark: str) -> None:
+    """A kernel killed outright (SIGKILL) with a live Spark session leaves no rank behind."""
+    from jupyter_client.manager import start_new_kernel
+
+    from ..test_kernel_live import ROOT, execute
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT))
+    try:
+        execute(kc, "from pyspark.sql import SparkSession\n"
+                    "spark = (SparkSession.builder.master('local[2]')"
+                    ".config('spark.ui.enabled', 'false').getOrCreate())\n"
+                    "%load_ext nbdist", timeout=120)
+        execute(kc, "%dist_session start -np 2", timeout=120)
+        execute(kc, "%%distributed\nimport os\nalive = os.getpid()")
+        assert len(marked_rank_processes(spark_mark)) >= 2
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while marked_rank_processes(spark_mark):
+        assert time.monotonic() < deadline, "Spark session ranks outlived their kernel"
+        time.sleep(0.05)
