@@ -498,15 +498,21 @@ class SessionCell:
                     return False
         except KeyboardInterrupt:
             self.cancel("interrupted from the notebook")
-            try:
-                self._done.wait(INTERRUPT_GRACE_S + STOP_S)
+            try:  # the view stays live: what the ranks print as they stop is shown
+                self._tick_until_done(INTERRUPT_GRACE_S + STOP_S, on_tick)
             except KeyboardInterrupt:  # a second stop: do not wait for the ranks any longer
                 self.session._fail(f"interrupted twice while cell {self.id} ran")
-                self._done.wait(STOP_S)
+                self._tick_until_done(STOP_S, on_tick)
             raise
         if on_tick is not None:
             on_tick()
         return True
+
+    def _tick_until_done(self, timeout: float, on_tick: Any) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._done.wait(0.1) and time.monotonic() < deadline:
+            if on_tick is not None:
+                on_tick()
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's value; raises :class:`DistributedError` if the cell failed."""

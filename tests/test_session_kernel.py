@@ -82,3 +82,48 @@ def test_stop_button_panel_and_shutdown(tmp_path: Path) -> None:
               for p in pids):
         assert time.monotonic() < deadline, f"ranks {pids} outlived the kernel"
         time.sleep(0.05)
+
+
+def test_second_stop_tears_the_session_down() -> None:
+    """A rank that swallows KeyboardInterrupt: a second stop ends the session at once."""
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT))
+    try:
+        execute(kc, "%load_ext nbdist\n%config DistMagics.view = 'text'")
+        execute(kc, "%dist_session start -np -2")
+        pids = _rank_pids(kc)
+        msg_id = kc.execute("%%distributed\nimport time\nprint('started', flush=True)\n"
+                            "while True:\n    try:\n"
+                            "        time.sleep(0.01)\n    except KeyboardInterrupt:\n"
+                            "        print('ignored', flush=True)\n")
+        deadline = time.monotonic() + 30
+        seen = ""
+
+        def wait_output(text: str, count: int) -> None:
+            nonlocal seen
+            while seen.count(text) < count:
+                assert time.monotonic() < deadline, f"no {text!r} from the ranks: {seen!r}"
+                try:
+                    msg = kc.get_iopub_msg(timeout=1)
+                except queue.Empty:
+                    continue
+                if msg["msg_type"] == "stream":
+                    seen += msg["content"]["text"]
+
+        wait_output("started", 2)
+        km.interrupt_kernel()
+        wait_output("ignored", 2)  # the first stop reached both ranks, which ignored it
+        started = time.monotonic()
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = kc.get_shell_msg(timeout=30)
+        assert time.monotonic() - started < GONE_WITHIN_S
+        assert "interrupted twice" in "\n".join(reply["content"]["traceback"])
+        status = "".join(m["content"]["data"]["text/plain"] for m in execute(kc, "%dist_session")
+                         if m["msg_type"] == "execute_result")
+        assert "broken: interrupted twice" in status
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() !=
+                       psutil.STATUS_ZOMBIE for p in pids)
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

@@ -108,3 +108,22 @@ def test_killed_kernel_takes_its_spark_session_ranks_along(spark_mark: str) -> N
     while marked_rank_processes(spark_mark):
         assert time.monotonic() < deadline, "Spark session ranks outlived their kernel"
         time.sleep(0.05)
+
+
+def test_interrupt_keeps_the_spark_session(ip: Any, spark_session_ranks: sessions.Session
+                                           ) -> None:
+    """%dist_cancel interrupts a cell in the Spark tasks' ranks; the next cell sees its state."""
+    from ..conftest import wait_for
+
+    run(ip, "%%distributed\nticks = 0")
+    cell = run(ip, "%%distributed --bg --quiet\n"
+                   "import time\n"
+                   "while True:\n"
+                   "    ticks += 1\n"
+                   "    time.sleep(0.01)")
+    wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
+    run(ip, f"%dist_cancel {cell.id}")
+    assert cell.error is not None and "interrupted" in str(cell.error)
+    assert spark_session_ranks.alive
+    assert run(ip, "%%distributed -o all_ticks\nticks > 0") is True
+    assert ip.user_ns["all_ticks"] == [True, True]
