@@ -166,6 +166,8 @@ SHAPES = [
       expect="notebook"),
     S("sc-comprehension-reads", "k = 2", "[i * k for i in range(3)]", values="k",
       expect=[0, 2, 4]),
+    S("sc-comprehension-subscript-target", "d = {}", "[d['k'] for d['k'] in range(3)]",
+      values="d", expect=[0, 1, 2]),
     S("sc-nested-comprehensions", "k = 2\nrows = [[1, 2], [3]]",
       "({v * k for r in rows for v in r}, sum(v for r in rows for v in r), "
       "{i: i * k for i in range(2)})", values="k rows", expect=({2, 4, 6}, 6, {0: 0, 1: 2})),
