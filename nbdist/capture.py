@@ -226,48 +226,59 @@ def capture_cell(
         A value the cell needs cannot travel, or the cell uses something that cannot run on a
         rank (a magic, top-level ``await``, a relative import); the message says what to do.
     """
+    flags = compile_flags & _CO_FUTURE_ANNOTATIONS
+    lines = _Lines(cell, line_offset)
     with _gc_paused():
-        flags = compile_flags & _CO_FUTURE_ANNOTATIONS
-        lines = _Lines(cell, line_offset)
-        source, tree = _parse(cell, transform, filename, line_offset)
-        # a ``from __future__ import annotations`` in the cell is seen by the flow itself
-        needs = _Flow(lines, bool(flags), filename, user_ns).run(tree)
-        captured = Captured(
-            source=source, filename=filename, returns_last=_returns_last(tree, source, line_offset),
-            line_offset=line_offset, flags=flags,
-        )
-        shipping: dict[str, _Need] = {}
-        for name, need in needs.items():
-            if name in _IPYTHON_NAMES or (name.startswith("_i") and name[2:].isdigit()):
-                continue
-            value = user_ns.get(name, _MISSING)
-            if value is _MISSING or getattr(builtins, name, _MISSING) is value:
-                continue
-            imp = _as_import(name, value)
-            if imp is None:
-                shipping[name] = need
-                continue
-            captured.imports.append(imp)
-        modules = {i.name: i.module for i in captured.imports if i.attr is None}
-        for name, paths in _attr_paths(source, modules).items():
-            for sub in _submodules(modules[name], paths):
-                if sub not in captured.submodules:
-                    captured.submodules.append(sub)
-        if shipping:
-            _ship(captured, shipping, user_ns, lines)
-            limit = LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
-            for v in captured.values:
-                if v.size > limit:
-                    warnings.warn(_large_message(v, limit, lines), CaptureWarning, stacklevel=2)
+        source, needs, returns_last = _analyse(cell, transform, filename, lines, user_ns,
+                                               bool(flags))
+    captured = Captured(
+        source=source, filename=filename, returns_last=returns_last,
+        line_offset=line_offset, flags=flags,
+    )
+    shipping: dict[str, _Need] = {}
+    for name, need in needs.items():
+        if name in _IPYTHON_NAMES or (name.startswith("_i") and name[2:].isdigit()):
+            continue
+        value = user_ns.get(name, _MISSING)
+        if value is _MISSING or getattr(builtins, name, _MISSING) is value:
+            continue
+        imp = _as_import(name, value)
+        if imp is None:
+            shipping[name] = need
+            continue
+        captured.imports.append(imp)
+    modules = {i.name: i.module for i in captured.imports if i.attr is None}
+    for name, paths in _attr_paths(source, modules).items():
+        for sub in _submodules(modules[name], paths):
+            if sub not in captured.submodules:
+                captured.submodules.append(sub)
+    if shipping:
+        _ship(captured, shipping, user_ns, lines)
+        limit = LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
+        for v in captured.values:
+            if v.size > limit:
+                warnings.warn(_large_message(v, limit, lines), CaptureWarning, stacklevel=2)
     return captured
+
+
+def _analyse(cell: str, transform: Callable[[str], str] | None, filename: str, lines: _Lines,
+             universe: Container[str], future_annotations: bool
+             ) -> tuple[str, dict[str, _Need], bool]:
+    """The cell as Python, the notebook names it reads, and whether it has a value. Only
+    these small results outlive the call: the tree goes with it (see :func:`_gc_paused`)."""
+    source, tree = _parse(cell, transform, filename, lines.offset)
+    # a ``from __future__ import annotations`` in the cell is seen by the flow itself
+    needs = _Flow(lines, future_annotations, filename, universe).run(tree)
+    return source, needs, _returns_last(tree, source, lines.offset)
 
 
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for one capture. Parsing makes thousands of AST
-    nodes at once, none in a reference cycle (they go when the tree is dropped), and the
-    collections their allocation triggers would only walk them over and over: a fifth of
-    the capture's time. (``timeit`` pauses it for the same reason.)"""
+    """Pause the cyclic garbage collector while the cell's tree exists. Parsing makes
+    thousands of AST nodes at once, none in a reference cycle, and the collections their
+    allocation triggers would walk them over and over (and move them to the oldest
+    generation, bringing a full collection of the kernel's heap closer) only for reference
+    counting to free them all when the tree is dropped: drop it before resuming."""
     if not gc.isenabled():
         yield
         return
