@@ -901,7 +901,7 @@ class _Flow:
             self.defs.pop(name, None)
             if name not in self.universe:
                 return
-        # a class body tracks all its names: they hide the module's (and its functions')
+        # a class body tracks all its names: each hides the module's from the reads after it
         if definite and not self.cond:
             frame.definite.add(name)
         frame.maybe.add(name)
