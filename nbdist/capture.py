@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
+import gc
 import importlib
 import io
 import os
@@ -35,7 +37,7 @@ import tokenize
 import types
 import warnings
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,11 +232,11 @@ def capture_cell(
     """
     flags = compile_flags & _CO_FUTURE_ANNOTATIONS
     lines = _Lines(cell, line_offset)
-    source, tree = _parse(cell, transform, filename, line_offset)
-    # a ``from __future__ import annotations`` in the cell is seen by the flow itself
-    needs = _Flow(lines, bool(flags), filename).run(tree)
+    with _gc_paused():
+        source, needs, returns_last = _analyse(cell, transform, filename, lines, user_ns,
+                                               bool(flags))
     captured = Captured(
-        source=source, filename=filename, returns_last=_returns_last(tree, source, line_offset),
+        source=source, filename=filename, returns_last=returns_last,
         line_offset=line_offset, flags=flags,
     )
     shipping: dict[str, _Need] = {}
@@ -263,6 +265,34 @@ def capture_cell(
             if v.size > limit:
                 warnings.warn(_large_message(v, limit, lines), CaptureWarning, stacklevel=2)
     return captured
+
+
+def _analyse(cell: str, transform: Callable[[str], str] | None, filename: str, lines: _Lines,
+             universe: Container[str], future_annotations: bool
+             ) -> tuple[str, dict[str, _Need], bool]:
+    """The cell as Python, the notebook names it reads, and whether it has a value. Only
+    these small results outlive the call: the tree goes with it (see :func:`_gc_paused`)."""
+    source, tree = _parse(cell, transform, filename, lines.offset)
+    # a ``from __future__ import annotations`` in the cell is seen by the flow itself
+    needs = _Flow(lines, future_annotations, filename, universe).run(tree)
+    return source, needs, _returns_last(tree, source, lines.offset)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while the cell's tree exists. Parsing makes
+    thousands of AST nodes at once, none in a reference cycle, and the collections their
+    allocation triggers would walk them over and over (and move them to the oldest
+    generation, bringing a full collection of the kernel's heap closer) only for reference
+    counting to free them all when the tree is dropped: drop it before resuming."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @dataclass
@@ -329,7 +359,12 @@ def _attr_paths(source: str, names: Iterable[str]) -> dict[str, set[str]]:
     alternatives = "|".join(map(re.escape, names))
     found: dict[str, set[str]] = {}
     if alternatives:
-        for m in re.finditer(rf"(?<![\w.])({alternatives})((?:\.\w+)+)", source):
+        # what comes before a hit is checked here, not by a lookbehind in the pattern, which
+        # would stop the regex engine from skipping ahead to the names' first letters (2x)
+        for m in re.finditer(rf"({alternatives})((?:\.\w+)+)", source):
+            before = source[m.start() - 1] if m.start() else " "
+            if before == "." or before == "_" or before.isalnum():  # ``x.np.y``, ``my_np.y``
+                continue
             found.setdefault(m.group(1), set()).add(m.group(2)[1:])
     return found
 
@@ -450,12 +485,21 @@ def _refuse_magic(node: ast.Call, method: str, name: str, lines: _Lines) -> Capt
     )
 
 
-def _check_call(node: ast.Call, lines: _Lines) -> None:
-    """Refuse a transformed magic that cannot run on a rank."""
+#: The ``get_ipython()`` methods IPython's transforms call: other calls need no closer look.
+_SHELL_CALLS = _SHELL_METHODS | {"run_cell_magic"}
+
+
+def _check_call(node: ast.Call, lines: _Lines) -> list[str]:
+    """Refuse a transformed magic that cannot run on a rank; return the variables a
+    transformed shell command expands (see :func:`_shell_names`)."""
+    func = node.func
+    if type(func) is not ast.Attribute or func.attr not in _SHELL_CALLS:
+        return []  # the cell's own calls: nearly all of them, so checked first and cheaply
     magic = _magic_call(node)
     # "?": a name computed at run time (user code calling get_ipython() itself): the rank decides
     if magic is not None and (magic[0] == "run_cell_magic" or magic[1] not in RANK_MAGICS | {"?"}):
         raise _refuse_magic(node, *magic, lines)
+    return _shell_names(node)
 
 
 def _await_error(line: int, lines: _Lines) -> CaptureError:
@@ -564,10 +608,20 @@ def _walk_scope(node: ast.AST) -> Iterator[ast.AST]:
 def _comp_scope(node: ast.ListComp | ast.SetComp | ast.DictComp | ast.GeneratorExp) -> _Scope:
     names: set[str] = set()
     for gen in node.generators:
-        for sub in ast.walk(gen.target):
-            if isinstance(sub, ast.Name):
-                names.add(sub.id)
+        _target_names(gen.target, names)
     return _Scope("comprehension", names)
+
+
+def _target_names(node: ast.expr, names: set[str]) -> None:
+    """Add the names an assignment target binds: ``a, (b, *c)``; not ``d`` nor ``k`` in
+    ``d[k]`` or ``d.k``, which it reads."""
+    if type(node) is ast.Name:
+        names.add(node.id)
+    elif isinstance(node, ast.Tuple | ast.List):
+        for elt in node.elts:
+            _target_names(elt, names)
+    elif isinstance(node, ast.Starred):
+        _target_names(node.value, names)
 
 
 def _function_scope(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> _Scope:
@@ -660,8 +714,7 @@ class _Resolver:
             return
         if t is ast.Call:
             assert isinstance(node, ast.Call)
-            _check_call(node, self.lines)
-            for name in _shell_names(node):
+            for name in _check_call(node, self.lines):
                 self._resolve(name, node.lineno, chain)
             self.visit(node.func, chain)
             for arg in node.args:
@@ -781,12 +834,19 @@ _State = tuple[set[str], set[str], bool]
 
 class _Flow:
     """Which notebook names the cell reads: a definite-assignment analysis of the cell's
-    top level (and of class bodies, which run when defined), in source order."""
+    top level (and of class bodies, which run when defined), in source order.
 
-    def __init__(self, lines: _Lines, future_annotations: bool, filename: str) -> None:
+    Only names of the notebook (``universe``) can be needs, and whether a name is bound never
+    depends on other names, so the module's binding state tracks those alone: the cell's own
+    variables, usually most of its names, are not copied at every branch and loop.
+    """
+
+    def __init__(self, lines: _Lines, future_annotations: bool, filename: str,
+                 universe: Container[str]) -> None:
         self.lines = lines
         self.filename = filename
         self.future = future_annotations
+        self.universe = universe
         self.mod = _Frame()
         self.frame = self.mod
         self.needs: dict[str, _Need] = {}
@@ -815,7 +875,7 @@ class _Flow:
         if frame is not self.mod and not skip_class and name in frame.definite:
             return
         mod = self.mod
-        if name not in mod.definite:
+        if name not in mod.definite and name in self.universe:
             optional = name in mod.maybe or self.optional > 0
             need = self.needs.get(name)
             if need is None:
@@ -843,15 +903,19 @@ class _Flow:
 
     def bind(self, name: str, *, definite: bool = True) -> None:
         frame = self.frame
+        if frame is self.mod:
+            self.defs.pop(name, None)
+            if name not in self.universe:
+                return
+        # a class body tracks all its names: each hides the module's from the reads after it
         if definite and not self.cond:
             frame.definite.add(name)
         frame.maybe.add(name)
-        if frame is self.mod:
-            self.defs.pop(name, None)
 
     def _bind_module(self, name: str) -> None:
-        self.mod.definite.add(name)
-        self.mod.maybe.add(name)
+        if name in self.universe:
+            self.mod.definite.add(name)
+            self.mod.maybe.add(name)
 
     def define(self, name: str, d: _Deferred) -> None:
         """``name`` is bound to a function/class/lambda with deferred reads ``d``."""
@@ -1141,12 +1205,25 @@ class _Flow:
 
     # -- expressions -------------------------------------------------------------------------
     def expr(self, node: ast.AST | None) -> None:
-        t = type(node)
-        if t is ast.Name:
-            assert isinstance(node, ast.Name)
-            if not isinstance(node.ctx, ast.Store):
+        # the commonest nodes first, tested by exact type (parsed trees have no subclasses)
+        if type(node) is ast.Name:
+            if type(node.ctx) is not ast.Store:
                 self.read(node.id, node.lineno)
             return
+        if type(node) is ast.Call:
+            shell_names = _check_call(node, self.lines)
+            if shell_names:  # expanded when the command runs, if they exist: optional
+                self.optional += 1
+                for name in shell_names:
+                    self.read(name, node.lineno)
+                self.optional -= 1
+            self.expr(node.func)
+            for arg in node.args:
+                self.expr(arg)
+            for kw in node.keywords:
+                self.expr(kw.value)
+            return
+        t = type(node)
         if node is None or t is ast.Constant:
             return
         if t is ast.Attribute:
@@ -1161,21 +1238,6 @@ class _Flow:
                         self.expr(item)
                 else:
                     self.expr(sub)
-            return
-        if t is ast.Call:
-            assert isinstance(node, ast.Call)
-            _check_call(node, self.lines)
-            shell_names = _shell_names(node)
-            if shell_names:  # expanded when the command runs, if they exist: optional
-                self.optional += 1
-                for name in shell_names:
-                    self.read(name, node.lineno)
-                self.optional -= 1
-            self.expr(node.func)
-            for arg in node.args:
-                self.expr(arg)
-            for kw in node.keywords:
-                self.expr(kw.value)
             return
         if isinstance(node, ast.NamedExpr):
             self.expr(node.value)
@@ -1237,7 +1299,7 @@ class _Flow:
             for name, line in d.reads:
                 if name in d.definite or name in later[d.index] or name in late_global:
                     continue
-                if name not in self.needs:
+                if name not in self.needs and name in self.universe:
                     self.needs[name] = _Need(line, optional=True)
 
 

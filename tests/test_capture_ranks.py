@@ -35,8 +35,9 @@ def nb(ip: Any) -> Iterator[Any]:
 def test_imports_and_notebook_modules_work_on_ranks(
     nb: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The cell's own imports (anywhere, aliased, submodules, ``*``) and modules, objects and a
-    local helper module imported in earlier cells all work in the ranks' fresh interpreters."""
+    """The cell's own imports (anywhere, aliased, submodules, ``*``, a local helper module) and
+    modules, objects and a local helper module imported in earlier cells all work in the ranks'
+    fresh interpreters."""
     (tmp_path / "nbdist_capture_helpers.py").write_text("def triple(x):\n    return 3 * x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     run(nb, "import math\nimport collections as col\nimport os.path as osp\n"
@@ -44,6 +45,7 @@ def test_imports_and_notebook_modules_work_on_ranks(
             "import nbdist_capture_helpers\n")
     value = run(nb, """%%distributed -np 2
 import json
+import nbdist_capture_helpers as helpers
 if True:
     import statistics
 try:
@@ -57,9 +59,9 @@ def mean3():
     return st.mean([1, 2, 3])
 (math.factorial(4), col.deque([1, 2]).pop(), osp.join("a", "b"), str(Fraction(1, 3) * 3),
  xml.etree.ElementTree.fromstring("<a/>").tag, nbdist_capture_helpers.triple(2), floor(2.5),
- mean3(), toml is not None, json.dumps([1]), F.relu.__name__)
+ mean3(), toml is not None, json.dumps([1]), F.relu.__name__, helpers.triple(3))
 """)
-    assert value == (24, 2, "a/b", "1", "a", 6, 2, 2, True, "[1]", "relu")
+    assert value == (24, 2, "a/b", "1", "a", 6, 2, 2, True, "[1]", "relu", 9)
 
 
 NOTEBOOK_DEFS = '''
