@@ -7,8 +7,10 @@ The tree::
      │    ├── CaptureError      a name the cell uses cannot be shipped to the ranks
      │    ├── CapacityError     more ranks than the backend can run at once
      │    └── LaunchError       a backend could not start the ranks
-     └── RuntimeError
-          └── DistributedError  one or more ranks failed, timed out or were cancelled
+     ├── RuntimeError
+     │    └── DistributedError  one or more ranks failed, timed out or were cancelled
+     └── SyntaxError
+          └── CellSyntaxError   the cell is not valid Python (shown without nbdist's frames)
 
     UserWarning
      └── CaptureWarning         a value the cell uses is large (every rank gets a copy)
@@ -35,6 +37,16 @@ class CaptureError(NbdistError):
     def _render_traceback_(self) -> list[str]:
         """Let IPython show just the message: nbdist's frames say nothing about the cell."""
         return f"{type(self).__name__}: {self}".splitlines()
+
+
+class CellSyntaxError(SyntaxError):
+    """A ``SyntaxError`` in a distributed cell, shown as IPython shows one in a normal cell."""
+
+    def _render_traceback_(self) -> list[str]:
+        import traceback
+
+        plain = SyntaxError(*self.args)  # formatted under its usual name
+        return "".join(traceback.format_exception_only(plain)).splitlines()
 
 
 class CaptureWarning(UserWarning):

@@ -23,6 +23,7 @@ from nbdist import events
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
+from nbdist.errors import CellSyntaxError
 from nbdist.views import status
 from nbdist.views.session import SessionReport
 from nbdist.views.text import TextView
@@ -178,12 +179,16 @@ class DistMagics(Magics):
         else:
             shell = self.shell
             assert shell is not None
-            captured = capture_cell(
-                cell, shell.user_ns, transform=shell.transform_cell,
-                filename=f"<cell In[{shell.execution_count}]>", line_offset=1,
-                compile_flags=shell.compile.flags, warn_bytes=int(self.large_value_mb * 1e6),
-                remote_names=on.defined_names() if on is not None else (),
-            )
+            try:
+                captured = capture_cell(
+                    cell, shell.user_ns, transform=shell.transform_cell,
+                    filename=f"<cell In[{shell.execution_count}]>", line_offset=1,
+                    compile_flags=shell.compile.flags,
+                    warn_bytes=int(self.large_value_mb * 1e6),
+                    remote_names=on.defined_names() if on is not None else (),
+                )
+            except SyntaxError as exc:  # the user's line, not nbdist's frames
+                raise CellSyntaxError(*exc.args) from None
             np = on.np if on is not None else abs(opts.np or 1)
             if opts.show_source:
                 print(captured.function_source())

@@ -112,3 +112,14 @@ def test_dist_status_lists_jobs_and_details(ip: Any, capsys: Any) -> None:
     assert "status line" in detail and "done" in detail
     with pytest.raises(UsageError, match="no job 'j999'"):
         run(ip, "%dist_status j999")
+
+
+def test_syntax_error_shows_the_users_line_not_nbdists_frames(ip: Any) -> None:
+    """A SyntaxError in a distributed cell renders as IPython's own: file, line, caret."""
+    from nbdist.errors import CellSyntaxError
+
+    with pytest.raises(CellSyntaxError) as info:
+        run(ip, "%%distributed -np 1\nx = 1\nreturn x")
+    shown = "\n".join(info.value._render_traceback_())
+    assert "'return' outside function" in shown and "line 3" in shown
+    assert "nbdist" not in shown and "Traceback" not in shown
