@@ -377,6 +377,56 @@ def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> Non
     assert len(events_seen) < 100_000 / 20
 
 
+@pytest.mark.timeout(120)
+def test_a_flood_is_flushed_while_the_rank_still_runs(tmp_path: Path) -> None:
+    """A rank that floods, then waits, has its whole flood shown without ending or flushing."""
+    gate = tmp_path / "gate"
+
+    def flood_then_wait(gate: str) -> int:
+        import os
+        import time
+
+        for i in range(100_000):
+            print("line", i)
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        return 0
+
+    job = nbdist.run(flood_then_wait, str(gate), np=1)
+    r = job.state.ranks[0]
+    try:
+        wait_for(lambda: r.lines == 100_000, 60, "the flood, while the rank waits")
+        assert r.last_line == "line 99999" and not job.done()
+    finally:
+        gate.touch()
+    assert job.results == [0]
+
+
+@pytest.mark.timeout(120)
+def test_the_line_printed_before_a_crash_is_kept_after_a_flood() -> None:
+    """Once a flood is over, a rank writes each line at once: the one before a SIGKILL is kept."""
+
+    def flood_then_crash() -> None:
+        import os
+        import signal
+        import sys
+        import time
+
+        for i in range(100_000):
+            print("line", i)
+        while not sys.stdout.line_buffering:  # the flood is over: lines are written at once
+            time.sleep(0.01)
+        print("last words")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    job = nbdist.run(flood_then_crash, np=1)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=100)
+    assert "killed by SIGKILL" in info.value.failures[0]
+    assert info.value.failures[0].rstrip().endswith("last words")
+    assert job.state.ranks[0].last_line == "last words" and job.state.ranks[0].lines == 100_001
+
+
 def test_long_lines_are_cut_and_unfinished_lines_show_up(tmp_path: Path) -> None:
     """An overlong line is cut with a note however it is written; a prompt shows up unfinished."""
     gate = tmp_path / "gate"
