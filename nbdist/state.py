@@ -102,10 +102,10 @@ class JobState:
                 else:
                     self._output(r, str(event.get("s", "o")), event.get("seg") or [])
             elif kind == "progress":
-                bar = {k: event.get(k) for k in ("n", "total", "desc", "rate", "elapsed")}
+                # The event itself is the bar (n, total, desc, rate, elapsed): no copy.
                 bar_id = event.get("id", 0)
                 r.bar = bar_id if isinstance(bar_id, int) else 0
-                r.progress[r.bar] = bar
+                r.progress[r.bar] = event
             elif kind == "metrics":
                 values = event.get("values")
                 if isinstance(values, dict):
@@ -141,18 +141,22 @@ class JobState:
         if "\r" in text:
             self._output(r, stream, _segments(text))
             return
-        # The fast path, for floods: whole lines only, built in bulk.
+        # The fast path: whole lines only, built in bulk (a flood passes through here).
         parts = text.split("\n")
         rest = parts.pop()
         if parts:
-            key = (r.rank, stream)
-            if key in self._partial:
-                parts[0] = self._partial.pop(key) + parts[0]
-            seq, rank = self.seq, r.rank
-            lines = [Line(seq + i, rank, stream, p, "\n") for i, p in enumerate(parts, 1)]
-            self.seq = seq + len(lines)
+            if self._partial:
+                key = (r.rank, stream)
+                if key in self._partial:
+                    parts[0] = self._partial.pop(key) + parts[0]
+            seq, rank, n = self.seq, r.rank, len(parts)
+            if n == 1:  # the usual event of a rank that is not flooding
+                lines: list[Line] = [Line(seq + 1, rank, stream, parts[0], "\n")]
+            else:
+                lines = [Line(seq + i, rank, stream, p, "\n") for i, p in enumerate(parts, 1)]
+            self.seq = seq + n
             r.log.extend(lines)
-            r.lines += len(lines)
+            r.lines += n
             self.merged.extend(lines)
         if rest:
             self._output(r, stream, [[rest, ""]])
