@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist import events, runtime
+from nbdist import events, runtime, state
 
 #: Output lines longer than this are cut (the rest is counted, not sent).
 MAX_LINE_CHARS = 16 * 1024
@@ -41,8 +41,9 @@ BATCH_S = 0.005
 #: so a rank printing fast does not block while its supervisor waits out ``BATCH_S``.
 PIPE_BYTES = 1 << 20
 #: A running rank's supervisor says it is alive this often, even when the rank is silent, so
-#: the driver can tell a quiet rank from a lost one (``%dist_status`` shows "last seen").
-HEARTBEAT_S = 5.0
+#: the driver can tell a quiet rank from a lost one: the driver's state expects this pace and
+#: shows a rank it has not heard of for three heartbeats as silent.
+HEARTBEAT_S = state.HEARTBEAT_S
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.

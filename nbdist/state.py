@@ -17,6 +17,12 @@ from typing import Any, NamedTuple
 LOG_LINES = 1000
 MERGED_LINES = 5000
 MAX_PARTIAL = 64 * 1024
+#: A running rank's supervisor says it is alive this often (``nbdist.rank`` sends at this pace),
+#: even when the rank itself is quiet.
+HEARTBEAT_S = 5.0
+#: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:
+#: its supervisor, its host or the network to the driver is stuck or gone.
+SILENT_AFTER_S = 3 * HEARTBEAT_S
 
 #: Rank and job states, in the order a rank goes through them.
 PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (
@@ -63,6 +69,12 @@ class RankState:
     @property
     def last_line(self) -> str:
         return self.log[-1].text if self.log else ""
+
+    def silent(self, now: float | None = None) -> bool:
+        """Whether the rank should be talking (starting, running) but has not for a while."""
+        if self.state not in (STARTING, RUNNING) or self.last_seen is None:
+            return False
+        return (time.time() if now is None else now) - self.last_seen >= SILENT_AFTER_S
 
 
 class JobState:
@@ -223,6 +235,12 @@ class JobState:
     def counts(self) -> dict[str, int]:
         with self.lock:
             return dict(collections.Counter(r.state for r in self.ranks))
+
+    def silent_ranks(self, now: float | None = None) -> list[int]:
+        """Ranks not heard of for ``SILENT_AFTER_S`` while they should be talking."""
+        now = time.time() if now is None else now
+        with self.lock:
+            return [r.rank for r in self.ranks if r.silent(now)]
 
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")
