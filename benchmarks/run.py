@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capture", "launch", "streaming", "faults", "scale"]
+BENCHES = ["capture", "launch", "streaming", "training", "faults", "scale"]
 
 
 def main() -> int:
