@@ -1,11 +1,14 @@
 """Scale on paper: what 256 ranks cost the driver's event server.
 
-256 simulated ranks (cheap clients in one separate process, not rank processes) connect to a
-real :class:`nbdist.events.EventServer`, authenticate, and each sends ``--rate`` events per
-second (an output batch, a progress update and a metrics update in turn) for ``--seconds``.
-Measured in the driver process, which runs only the server and a real ``JobState``: CPU time
-per second of wall time (as % of one core) and resident memory per rank, against the same
-process idle for the same time (the baseline).
+256 simulated ranks connect to a real :class:`nbdist.events.EventServer` from one separate
+process: cheap ranks (no rank processes), but each talks through the supervisor's own
+:class:`nbdist.events.EventClient`, coalescing included. Each sends ``--rate`` events per second
+(an output batch, a progress update and a metrics update in turn, a heartbeat every
+``HEARTBEAT_S``) for ``--seconds``. Measured in the driver process, which runs only the server
+and a real ``JobState``: CPU time per second of wall time (as % of one core), against the same
+process idle for the same time (the baseline), and resident memory per rank, during the run and
+once every rank's log ring is full. The newest progress and metrics of every rank must be in
+the state at the end (coalescing may only skip superseded updates), and no event lost.
 
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256] [--rate 10] [--seconds 20]
 """
@@ -13,64 +16,91 @@ process idle for the same time (the baseline).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import psutil
 
 from nbdist import events
-from nbdist.state import JobState
+from nbdist.state import LOG_LINES, JobState
 
 ROOT = Path(__file__).resolve().parent.parent
 
 CLIENTS = textwrap.dedent("""
-    import json, socket, sys, time
-    from nbdist import events
+    import json, sys, time
+    from nbdist import events, rank
     host, port, job, secret, ranks, rate, seconds = sys.argv[1:8]
     ranks, rate, seconds = int(ranks), float(rate), float(seconds)
-    socks = []
-    for r in range(ranks):
-        s = socket.create_connection((host, int(port)))
-        f = s.makefile("rb")
-        nonce = json.loads(f.readline())["nonce"]
-        s.sendall(events.encode({"t": "hello", "job": job, "rank": r,
-                                 "mac": events.sign(secret, nonce, job, r)}))
-        socks.append((s, f))
+    # The supervisor's own client, with its coalescing: each simulated rank is one EventClient.
+    clients = [events.EventClient((host, int(port)), job, r, secret, {"host": "sim"},
+                                  lambda message: None) for r in range(ranks)]
     kinds = [
         lambda i: {"t": "out", "s": "o", "text": f"step {i} loss 0.123\\n"},
         lambda i: {"t": "progress", "id": 1, "n": i, "total": 1000, "desc": "train"},
         lambda i: {"t": "metrics", "values": {"loss": 0.1, "step": i}},
     ]
+    beat = max(1, round(rank.HEARTBEAT_S * rate))  # ticks between a rank's heartbeats
     print("connected", flush=True)
-    start = time.monotonic(); i = 0
+    start = time.monotonic(); i = 0; sent = 0
+    last = [{} for _ in clients]  # the newest progress and metrics step sent by each rank
     while time.monotonic() - start < seconds:
-        for s, _ in socks:
-            s.sendall(events.encode(kinds[i % 3](i)))
+        for r, c in enumerate(clients):
+            # Heartbeats replace one tick's event, spread over the ranks, so the rate holds.
+            event = {"t": "hb"} if (i + r) % beat == 0 else kinds[i % 3](i)
+            c.send(event)
+            if event["t"] in ("progress", "metrics"):
+                last[r][event["t"]] = i
+        sent += len(clients)
         i += 1
         time.sleep(max(0.0, start + i / rate - time.monotonic()))
-    print(i * len(socks), flush=True)
-    for s, f in socks:
-        f.close(); s.close()
+    for c in clients:
+        c.close()
+    print(json.dumps({"sent": sent, "dropped": sum(c.dropped for c in clients),
+                      "last": last}), flush=True)
 """)
 
 
 class Channel:
+    """The job's side of the channel, as ``nbdist.job.Job`` has it: events go to the state."""
+
     def __init__(self, job: JobState) -> None:
         self.job = job
+        self.received = 0
+        self.gone = threading.Semaphore(0)  # released once per closed connection
 
     def on_connect(self, rank: int, hello: dict[str, object]) -> None:
-        pass
+        self.job.apply(rank, {"t": "hello", "host": hello.get("host"), "gpus": []})
 
     def on_event(self, rank: int, event: dict[str, object]) -> None:
+        self.received += 1
         self.job.apply(rank, event)
 
     def on_disconnect(self, rank: int) -> None:
-        pass
+        self.gone.release()
+
+
+def _cpu(me: psutil.Process) -> float:
+    t = me.cpu_times()
+    return float(t.user + t.system)
+
+
+def _full_logs_kb_per_rank(job: JobState, me: psutil.Process) -> float:
+    """Memory per rank once every rank's log ring is full (the ceiling of a long job)."""
+    gc.collect()
+    before = me.memory_info().rss
+    for r in range(job.np):
+        text = "".join(f"epoch 3 step {i} loss 0.{i:04d} lr 3e-4 tokens/s 51234\n"
+                       for i in range(LOG_LINES))
+        job.apply(r, {"t": "out", "s": "o", "text": text})
+    gc.collect()
+    return (me.memory_info().rss - before) / 1024 / job.np
 
 
 def main() -> int:
@@ -83,15 +113,15 @@ def main() -> int:
     seconds = 5.0 if args.quick else args.seconds
     me = psutil.Process()
     server = events.EventServer("127.0.0.1")
+    rss_empty = me.memory_info().rss
     job = JobState("bench", "local", args.ranks)
+    channel = Channel(job)
     secret = events.new_secret()
-    server.add_job("bench", secret, Channel(job))
+    server.add_job("bench", secret, channel)
 
-    cpu0, t0 = me.cpu_times(), time.monotonic()
+    cpu0, t0 = _cpu(me), time.monotonic()
     time.sleep(seconds)
-    cpu1, t1 = me.cpu_times(), time.monotonic()
-    idle_pct = 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
-    rss_idle = me.memory_info().rss
+    idle_pct = 100 * (_cpu(me) - cpu0) / (time.monotonic() - t0)
 
     clients = subprocess.Popen(
         [sys.executable, "-c", CLIENTS, *map(str, server.address), "bench", secret,
@@ -100,37 +130,51 @@ def main() -> int:
     )
     assert clients.stdout is not None
     assert clients.stdout.readline().strip() == "connected"
-    cpu0, t0 = me.cpu_times(), time.monotonic()
-    sent = int(clients.stdout.readline())
-    cpu1, t1 = me.cpu_times(), time.monotonic()
+    cpu0, t0 = _cpu(me), time.monotonic()
+    report = json.loads(clients.stdout.readline())
+    busy_pct = 100 * (_cpu(me) - cpu0) / (time.monotonic() - t0)
     clients.wait()
     clients.stdout.close()
-    busy_pct = 100 * ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (t1 - t0)
+    # As a job does before it ends: every connection read to its end, the last events in.
+    for _ in range(args.ranks):
+        if not channel.gone.acquire(timeout=30):
+            break
     rss_busy = me.memory_info().rss
     server.close()
-    received = job.version
-    per_rank_kb = (rss_busy - rss_idle) / 1024 / args.ranks
+    # Coalescing may skip superseded progress updates, never the newest value of anything.
+    stale = [r for r, last in enumerate(report["last"])
+             if job.ranks[r].progress.get(1, {}).get("n") != last.get("progress")
+             or job.ranks[r].metrics.get("step") != last.get("metrics")]
+    per_rank_kb = (rss_busy - rss_empty) / 1024 / args.ranks
+    full_kb = _full_logs_kb_per_rank(job, me)
+    sent = report["sent"]
     result = {
         "ranks": args.ranks, "events_per_rank_per_s": args.rate, "seconds": seconds,
-        "events_sent": sent, "events_applied": received,
+        "events_sent": sent, "events_delivered": channel.received,
+        "events_lost": report["dropped"], "ranks_with_stale_values": len(stale),
         "driver_cpu_pct_of_one_core": round(busy_pct, 2),
         "idle_baseline_cpu_pct": round(idle_pct, 2),
-        "driver_cpu_pct_per_rank": round((busy_pct - idle_pct) / args.ranks, 4),
+        "driver_cpu_us_per_event_sent": round(10_000 * (busy_pct - idle_pct) /
+                                              (args.ranks * args.rate), 2),
         "driver_memory_kb_per_rank": round(per_rank_kb, 1),
+        "driver_memory_kb_per_rank_full_logs": round(full_kb, 1),
     }
     text = (
-        f"| ranks | events/s each | driver CPU (% of a core) | idle baseline | per rank | "
-        f"memory per rank | events sent / applied |\n| --- | --- | --- | --- | --- | --- | --- |\n"
+        "| ranks | events/s each | driver CPU (% of a core) | idle baseline | per event sent | "
+        "memory per rank (run / full logs) | events sent / delivered / lost |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n"
         f"| {args.ranks} | {args.rate:g} | {busy_pct:.2f} % | {idle_pct:.2f} % | "
-        f"{(busy_pct - idle_pct) / args.ranks:.4f} % | {per_rank_kb:.1f} KB | "
-        f"{sent} / {received} |\n"
+        f"{result['driver_cpu_us_per_event_sent']:.1f} µs | {per_rank_kb:.1f} KB / "
+        f"{full_kb:.0f} KB | {sent} / {channel.received} / {report['dropped']} |\n"
     )
+    if stale:
+        text += f"\n{len(stale)} ranks do not show their newest progress or metrics: {stale[:10]}\n"
     print(text)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(result, indent=2))
     (out / "scale.md").write_text(text)
-    return 0
+    return 0 if not stale and not report["dropped"] else 1
 
 
 if __name__ == "__main__":

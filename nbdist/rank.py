@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist import events, runtime
+from nbdist import events, runtime, state
 
 #: Output lines longer than this are cut (the rest is counted, not sent).
 MAX_LINE_CHARS = 16 * 1024
@@ -45,8 +45,9 @@ BATCH_S = 0.005
 #: so a rank printing fast does not block while its supervisor waits out ``BATCH_S``.
 PIPE_BYTES = 1 << 20
 #: A running rank's supervisor says it is alive this often, even when the rank is silent, so
-#: the driver can tell a quiet rank from a lost one (``%dist_status`` shows "last seen").
-HEARTBEAT_S = 5.0
+#: the driver can tell a quiet rank from a lost one: the driver's state expects this pace and
+#: shows a rank it has not heard of for three heartbeats as silent.
+HEARTBEAT_S = state.HEARTBEAT_S
 #: How often a session's supervisor checks that the driver is still there.
 DRIVER_CHECK_S = 0.5
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
@@ -419,10 +420,9 @@ class Supervisor:
             want = self._cells_ended
             self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
         rp = self._rp
-        if rp is not None:  # the memory the cell left behind, for %dist_session
-            self._send(t="hb", rss=_rss(rp.pid))
+        rss = _rss(rp.pid) if rp is not None else None  # what the cell left, for %dist_session
         if kind == runtime.ERROR:
-            self._send(t="cell_error", cell=cell, error=json.loads(body))
+            self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
             return
         # Signed with the session's secret, and checked before the driver unpickles it.
         mac = hmac.new(bytes.fromhex(self.spec.secret), f"{cell}:".encode() + body,
@@ -431,7 +431,8 @@ class Supervisor:
         for start in range(0, max(len(text), 1), RESULT_CHUNK):
             last = start + RESULT_CHUNK >= len(text)
             self._send(t="cell_result", cell=cell, data=text[start:start + RESULT_CHUNK],
-                       more=not last, type=self._result_type, mac=mac if last else None)
+                       more=not last, type=self._result_type, mac=mac if last else None,
+                       rss=rss)
 
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).

@@ -21,6 +21,7 @@ import ast
 import builtins
 import ctypes
 import importlib
+import io
 import json
 import linecache
 import os
@@ -32,7 +33,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 _HEADER = struct.Struct(">IB")
 # frame kinds
@@ -647,6 +651,115 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             return
 
 
+# -- how the rank's stdout and stderr are written ------------------------------------------------
+#: While a stream carries less than this, every line is written as it is printed: a line printed
+#: just before a crash (a segfault, a SIGKILL) still reaches the log. Above it, the stream is
+#: buffered and flushed every ``FLUSH_S``: a loop printing as fast as it can then pays one
+#: ``write`` per ``OUTPUT_BUFFER`` bytes instead of one per line (about 4x cheaper per line).
+FLOOD_BYTES_PER_S = 64 * 1024
+#: How often a buffered (flooding) stream is flushed: the most it adds to a line's latency.
+FLUSH_S = 0.01
+#: Buffer of each stream while it is buffered.
+OUTPUT_BUFFER = 64 * 1024
+#: Window over which the rate is measured, and how much lower it must fall to go back to
+#: writing every line (so that a rate near the limit does not flip the mode at every tick).
+_RATE_WINDOW_S = 0.1
+_BACK_TO_LINES = 4
+_WINDOW_BYTES = int(FLOOD_BYTES_PER_S * _RATE_WINDOW_S)
+
+
+class _CountingFile(io.FileIO):
+    """The rank's fd 1 or 2: counts the bytes written, and notices when they flood.
+
+    Only the check of a line-buffered stream runs on every ``write``, and it costs an
+    addition and a comparison until ``FLOOD_BYTES_PER_S`` worth of a window has gone by.
+    """
+
+    def __init__(self, fd: int, wake: threading.Event) -> None:
+        super().__init__(fd, "wb", closefd=False)
+        self.written = 0
+        self.flooding = False
+        self._wake = wake
+        self._since = time.monotonic()
+        self._mark = 0
+
+    def write(self, b: ReadableBuffer, /) -> int:
+        n = super().write(b)
+        if n:
+            self.written += n
+            if not self.flooding and self.written - self._mark > _WINDOW_BYTES:
+                now = time.monotonic()
+                if now - self._since < _RATE_WINDOW_S:
+                    self.flooding = True
+                    self._wake.set()
+                self._since, self._mark = now, self.written
+        return n
+
+    def slowed_down(self) -> bool:
+        """Whether the rate over the last window fell well below the flood rate."""
+        now = time.monotonic()
+        if now - self._since < _RATE_WINDOW_S:
+            return False
+        rate = (self.written - self._mark) / (now - self._since)
+        self._since, self._mark = now, self.written
+        return rate * _BACK_TO_LINES < FLOOD_BYTES_PER_S
+
+
+def _pace_output() -> None:
+    """Give the rank a stdout and stderr that stay live without costing a write per line.
+
+    Line buffering alone (what a terminal gets) costs a ``write`` per line, which makes a rank
+    that prints in a tight loop about 4x slower than one writing to a file; block buffering
+    alone holds lines back for as long as the rank computes, and loses the last ones when it
+    crashes. So each stream is line-buffered while it is quiet and block-buffered while it
+    floods, with a thread flushing it every ``FLUSH_S``. The streams are built anew rather than
+    reconfigured: with ``PYTHONUNBUFFERED`` (common in containers) Python's own have no buffer
+    at all and cost a ``write`` per ``print`` argument.
+    """
+    wake = threading.Event()
+    streams = []
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        try:
+            old.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        raw = _CountingFile(fd, wake)
+        text = io.TextIOWrapper(
+            io.BufferedWriter(raw, OUTPUT_BUFFER), line_buffering=True,
+            encoding=getattr(old, "encoding", None) or "utf-8",
+            errors=getattr(old, "errors", None) or "backslashreplace",
+        )
+        setattr(sys, name, text)
+        setattr(sys, f"__{name}__", text)  # what code restoring the "real" stream gets
+        streams.append((text, raw))
+    threading.Thread(target=_pace, args=(streams, wake), daemon=True,
+                     name="nbdist-output").start()
+
+
+def _pace(streams: list[tuple[io.TextIOWrapper, _CountingFile]], wake: threading.Event) -> None:
+    """Switch each stream between line and block buffering; flush the buffered ones."""
+    while True:
+        if not any(raw.flooding for _, raw in streams):
+            wake.wait()  # every stream writes its lines itself: sleep until one floods
+            wake.clear()
+        else:
+            time.sleep(FLUSH_S)  # a pace, not a wait for anything
+        for text, raw in streams:
+            if not raw.flooding:
+                continue
+            try:
+                if text.line_buffering:  # it just started to flood
+                    text.reconfigure(line_buffering=False)
+                    continue
+                text.flush()
+                if raw.slowed_down():
+                    raw.flooding = False
+                    text.reconfigure(line_buffering=True)
+            except (OSError, ValueError):  # the pipe is gone, or the user closed the stream
+                pass
+
+
 def main() -> None:
     global _channel, _sync_marker
     _sync_marker = os.environ.pop("NBDIST_SYNC", "").encode()
@@ -676,9 +789,7 @@ def main() -> None:
     _AT_START.update(sys.modules)
     _become_subreaper()
     threading.Thread(target=watch, name="nbdist-watch", daemon=True).start()
-    # Line buffering flushes on \n and on \r, so progress redraws are not held back.
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    _pace_output()
     chan.event(t="state", state="ready", pid=os.getpid())
     code = 0
     try:

@@ -210,6 +210,8 @@ class Session(Job):
     def on_event(self, rank: int, event: events.Event) -> None:
         kind = event.get("t")
         cell = self._cell
+        if isinstance(event.get("rss"), int):
+            self.rss[rank] = event["rss"]
         if kind == "cell_result" or kind == "cell_error":
             if cell is not None:
                 cell.on_rank_end(rank, event, self._secret)
@@ -218,8 +220,6 @@ class Session(Job):
             with self._lock:
                 self.names[rank] = {str(n) for n in event.get("names") or ()}
             return
-        if kind == "hb" and isinstance(event.get("rss"), int):
-            self.rss[rank] = event["rss"]
         if kind == "state" and event.get("state") == "ready":
             with self._lock:
                 self._ready.add(rank)

@@ -17,6 +17,12 @@ from typing import Any, NamedTuple
 LOG_LINES = 1000
 MERGED_LINES = 5000
 MAX_PARTIAL = 64 * 1024
+#: A running rank's supervisor says it is alive this often (``nbdist.rank`` sends at this pace),
+#: even when the rank itself is quiet.
+HEARTBEAT_S = 5.0
+#: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:
+#: its supervisor, its host or the network to the driver is stuck or gone.
+SILENT_AFTER_S = 3 * HEARTBEAT_S
 
 #: Rank and job states, in the order a rank goes through them.
 PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (
@@ -64,6 +70,12 @@ class RankState:
     def last_line(self) -> str:
         return self.log[-1].text if self.log else ""
 
+    def silent(self, now: float | None = None) -> bool:
+        """Whether the rank should be talking (starting, running) but has not for a while."""
+        if self.state not in (STARTING, RUNNING) or self.last_seen is None:
+            return False
+        return (time.time() if now is None else now) - self.last_seen >= SILENT_AFTER_S
+
 
 class JobState:
     """One job as the driver sees it; every method is safe to call from any thread."""
@@ -102,10 +114,10 @@ class JobState:
                 else:
                     self._output(r, str(event.get("s", "o")), event.get("seg") or [])
             elif kind == "progress":
-                bar = {k: event.get(k) for k in ("n", "total", "desc", "rate", "elapsed")}
+                # The event itself is the bar (n, total, desc, rate, elapsed): no copy.
                 bar_id = event.get("id", 0)
                 r.bar = bar_id if isinstance(bar_id, int) else 0
-                r.progress[r.bar] = bar
+                r.progress[r.bar] = event
             elif kind == "metrics":
                 values = event.get("values")
                 if isinstance(values, dict):
@@ -141,18 +153,22 @@ class JobState:
         if "\r" in text:
             self._output(r, stream, _segments(text))
             return
-        # The fast path, for floods: whole lines only, built in bulk.
+        # The fast path: whole lines only, built in bulk (a flood passes through here).
         parts = text.split("\n")
         rest = parts.pop()
         if parts:
-            key = (r.rank, stream)
-            if key in self._partial:
-                parts[0] = self._partial.pop(key) + parts[0]
-            seq, rank = self.seq, r.rank
-            lines = [Line(seq + i, rank, stream, p, "\n") for i, p in enumerate(parts, 1)]
-            self.seq = seq + len(lines)
+            if self._partial:
+                key = (r.rank, stream)
+                if key in self._partial:
+                    parts[0] = self._partial.pop(key) + parts[0]
+            seq, rank, n = self.seq, r.rank, len(parts)
+            if n == 1:  # the usual event of a rank that is not flooding
+                lines: list[Line] = [Line(seq + 1, rank, stream, parts[0], "\n")]
+            else:
+                lines = [Line(seq + i, rank, stream, p, "\n") for i, p in enumerate(parts, 1)]
+            self.seq = seq + n
             r.log.extend(lines)
-            r.lines += len(lines)
+            r.lines += n
             self.merged.extend(lines)
         if rest:
             self._output(r, stream, [[rest, ""]])
@@ -219,6 +235,12 @@ class JobState:
     def counts(self) -> dict[str, int]:
         with self.lock:
             return dict(collections.Counter(r.state for r in self.ranks))
+
+    def silent_ranks(self, now: float | None = None) -> list[int]:
+        """Ranks not heard of for ``SILENT_AFTER_S`` while they should be talking."""
+        now = time.time() if now is None else now
+        with self.lock:
+            return [r.rank for r in self.ranks if r.silent(now)]
 
 
 _BREAK = re.compile(r"(\r\n|\r|\n)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -39,19 +40,68 @@ def server() -> Iterator[events.EventServer]:
 
 
 def test_authenticated_client_round_trip(server: events.EventServer) -> None:
-    """A client with the job's secret delivers events and receives the driver's messages."""
+    """A client with the job's secret delivers output in order and gets the driver's messages."""
     rec, secret = Recorder(), events.new_secret()
     server.add_job("j1", secret, rec)
     got: list[dict[str, object]] = []
     client = events.EventClient(server.address, "j1", 3, secret, {"host": "h"}, got.append)
     for i in range(100):
-        client.send({"t": "metrics", "values": {"i": i}})
-    wait_for(lambda: len(rec.events) == 100, 10, "100 events")
-    assert rec.connected == [3] and rec.events[-1] == (3, {"t": "metrics", "values": {"i": 99}})
+        client.send({"t": "out", "s": "o", "text": f"{i}\n"})
+    expected = "".join(f"{i}\n" for i in range(100))
+
+    def text() -> str:
+        with rec.lock:
+            return "".join(str(e["text"]) for _, e in rec.events)
+
+    wait_for(lambda: text() == expected, 10, "100 lines, in order")
+    assert rec.connected == [3] and len(rec.events) < 100  # queued output was merged
     assert server.send("j1", 3, {"t": "world", "env": {"RANK": "3"}})
     wait_for(lambda: got, 10, "the world message")
     assert got[0]["env"] == {"RANK": "3"}
     client.close()
+
+
+def test_lazy_events_are_coalesced_and_close_sends_them(server: events.EventServer) -> None:
+    """Progress keeps the latest update per bar, metrics merge, heartbeats fold; none is lost."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    for i in range(1, 101):
+        client.send({"t": "progress", "id": 1, "n": i, "total": 100})
+        client.send({"t": "progress", "id": 2, "n": 2 * i, "total": 200})
+        client.send({"t": "metrics", "values": {"loss": 1 / i, f"k{i % 3}": i}})
+        client.send({"t": "hb"})
+    client.close()  # at once: what is still queued goes out first
+
+    def latest() -> tuple[dict[object, object], dict[str, object]]:
+        with rec.lock:
+            got = [e for _, e in rec.events]
+        bars = {e["id"]: e["n"] for e in got if e["t"] == "progress"}
+        metrics: dict[str, object] = {}
+        for e in got:
+            if e["t"] == "metrics":
+                metrics.update(e["values"])  # type: ignore[arg-type]
+        return bars, metrics
+
+    expected = ({1: 100, 2: 200}, {"loss": 1 / 100, "k0": 99, "k1": 100, "k2": 98})
+    wait_for(lambda: latest() == expected, 10, "the latest progress and metrics")
+    kinds = [e["t"] for _, e in rec.events]
+    assert len(kinds) < 400 and kinds.count("hb") <= kinds.count("progress")
+    assert client.dropped == 0
+
+
+def test_a_line_may_carry_an_array_of_events(server: events.EventServer, raw) -> None:
+    """Protocol 2: one line with an array of events delivers each; an array of junk is refused."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    sock, nonce = raw()
+    sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
+                                "mac": events.sign(secret, nonce, "j1", 0)}))
+    sock.sendall(b'[{"t": "hb"}, {"t": "metrics", "values": {"a": 1}}]\n')
+    wait_for(lambda: len(rec.events) == 2, 10, "both events of the array")
+    assert [e["t"] for _, e in rec.events] == ["hb", "metrics"]
+    sock.sendall(b'[{"t": "hb"}, 3]\n')
+    assert _closed(sock) and server.rejected == 1 and len(rec.events) == 2
 
 
 @pytest.fixture
@@ -116,6 +166,56 @@ def test_unknown_job_is_rejected(raw) -> None:
     sock, nonce = raw()
     sock.sendall(events.encode({"t": "hello", "job": "nope", "rank": 0, "mac": "00"}))
     assert _closed(sock)
+
+
+def test_the_server_paces_its_clients_by_how_many_are_connected(
+    server: events.EventServer, raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More connections make the server ask every client to write less often; fewer, more."""
+    monkeypatch.setattr(events, "MAX_WRITES_PER_S", 100)
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    readers = []
+    for rank in range(3):
+        sock, nonce = raw()
+        sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": rank,
+                                    "mac": events.sign(secret, nonce, "j1", rank)}))
+        readers.append((sock, sock.makefile("rb")))
+    wait_for(lambda: len(rec.connected) == 3, 10, "three ranks")
+
+    def paces(reader, until: float) -> list[float]:  # the paces told, up to ``until``
+        got: list[float] = []
+        while not got or got[-1] != pytest.approx(until):
+            got.append(json.loads(reader.readline())["every"])
+        return got
+
+    assert paces(readers[0][1], 0.03) == pytest.approx([0.01, 0.02, 0.03])
+    assert paces(readers[2][1], 0.03) == pytest.approx([0.03])
+    for sock, reader in readers[1:]:
+        reader.close()
+        sock.close()
+    assert paces(readers[0][1], 0.01) == pytest.approx([0.02, 0.01])
+    readers[0][1].close()
+
+
+def test_a_paced_client_holds_what_follows_a_write(server: events.EventServer) -> None:
+    """Told to write at most every 30 s, a client sends a first event at once, holds the next
+    (merged with what follows) and sends it when closed."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    wait_for(lambda: rec.connected, 10, "the hello")
+    assert server.send("j1", 0, {"t": "pace", "every": 30})
+    wait_for(lambda: client._every == 30, 10, "the pace")
+    client.send({"t": "out", "s": "o", "text": "first\n"})
+    wait_for(lambda: rec.events, 10, "the first line, at once")
+    client.send({"t": "out", "s": "o", "text": "second\n"})
+    client.send({"t": "out", "s": "o", "text": "third\n"})
+    time.sleep(0.3)  # a window to see that nothing else goes, not a wait for anything
+    assert [e["text"] for _, e in rec.events] == ["first\n"]
+    client.close()
+    wait_for(lambda: len(rec.events) == 2, 10, "the held lines")
+    assert rec.events[1][1]["text"] == "second\nthird\n"
 
 
 def test_free_port_is_below_the_ephemeral_range() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,16 +137,17 @@ def test_final_state_is_styled_and_the_static_summary_is_readable() -> None:
 
 
 def test_large_jobs_collapse_into_a_summary_with_the_ranks_worth_seeing() -> None:
-    """64 ranks: a summary line, rows for rank 0, failed ranks and the slowest, a rank picker."""
+    """64 ranks: a summary, rows for rank 0, failed, silent and slowest ranks, a rank picker."""
     job = running_job(64)
     for r in range(64):
         job.apply(r, {"t": "progress", "id": 1, "n": 50 + (r % 40), "total": 100})
     job.apply(5, {"t": "progress", "id": 1, "n": 1, "total": 100})
     job.apply(7, out("rank seven speaks\n"))
     job.set_rank(40, state.FAILED, 1)
+    job.ranks[50].last_seen = time.time() - state.SILENT_AFTER_S - 1
     panel = Panel(job)
     assert panel.collapsed and len(panel.rows) == 16
-    assert 0 in panel.shown and 40 in panel.shown and 5 in panel.shown
+    assert {0, 40, 50, 5} <= set(panel.shown)
     assert "64 ranks" in panel.summary.value and "median" in panel.summary.value
     assert panel.picker is not None and len(panel.panes) == 2
     panel.picker.value = 7
@@ -200,6 +202,34 @@ def test_status_reports_render_as_text_and_html() -> None:
     ranks = status.RanksReport(job)
     assert "1001" in repr(ranks) and "<script>" in repr(ranks)
     assert "<script>" not in ranks._repr_html_() and "&lt;script&gt;" in ranks._repr_html_()
+
+
+def test_silent_ranks_show_in_the_panel_the_text_view_and_status() -> None:
+    """A running rank not heard of for three heartbeats is flagged everywhere, until it talks."""
+    job = running_job(3)
+    panel = Panel(job)
+    buf = io.StringIO()
+    view = TextView(job, buf)
+    view.update()
+    assert "silent" not in panel.rows[1].label.value
+    job.ranks[1].last_seen = time.time() - state.SILENT_AFTER_S - 1  # as if time had passed
+    panel.render()  # no event came: the silence alone re-renders the row
+    assert "silent" in panel.rows[1].label.value and "silent since" in panel.rows[1].info.value
+    assert "silent" not in panel.rows[0].label.value and "1 silent: 1" in panel.header.value
+    view.update()
+    assert "[rank 1] silent since" in buf.getvalue()
+    jobs_text = repr(status.JobsReport([job], []))
+    assert "running (1 silent)" in jobs_text
+    ranks = status.RanksReport(job)
+    row = next(line for line in repr(ranks).splitlines() if line.startswith("1 "))
+    assert row.split()[1] == "silent" and "silent ranks: 1: nothing heard" in repr(ranks)
+    assert "%dist_cancel j77" in repr(ranks) and "silent ranks: 1" in ranks._repr_html_()
+    job.apply(1, {"t": "hb"})
+    panel.render()
+    view.update()
+    assert "silent" not in panel.rows[1].label.value
+    assert "[rank 1] heard from again" in buf.getvalue()
+    assert "silent" not in repr(status.RanksReport(job))
 
 
 # -- through the magics -------------------------------------------------------------------------
@@ -375,6 +405,56 @@ def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> Non
         texts = [ln.text for ln in r.log]
         assert texts == [f"line {i}" for i in range(50_000 - len(texts), 50_000)]
     assert len(events_seen) < 100_000 / 20
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_is_flushed_while_the_rank_still_runs(tmp_path: Path) -> None:
+    """A rank that floods, then waits, has its whole flood shown without ending or flushing."""
+    gate = tmp_path / "gate"
+
+    def flood_then_wait(gate: str) -> int:
+        import os
+        import time
+
+        for i in range(100_000):
+            print("line", i)
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        return 0
+
+    job = nbdist.run(flood_then_wait, str(gate), np=1)
+    r = job.state.ranks[0]
+    try:
+        wait_for(lambda: r.lines == 100_000, 60, "the flood, while the rank waits")
+        assert r.last_line == "line 99999" and not job.done()
+    finally:
+        gate.touch()
+    assert job.results == [0]
+
+
+@pytest.mark.timeout(120)
+def test_the_line_printed_before_a_crash_is_kept_after_a_flood() -> None:
+    """Once a flood is over, a rank writes each line at once: the one before a SIGKILL is kept."""
+
+    def flood_then_crash() -> None:
+        import os
+        import signal
+        import sys
+        import time
+
+        for i in range(100_000):
+            print("line", i)
+        while not sys.stdout.line_buffering:  # the flood is over: lines are written at once
+            time.sleep(0.01)
+        print("last words")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    job = nbdist.run(flood_then_crash, np=1)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=100)
+    assert "killed by SIGKILL" in info.value.failures[0]
+    assert info.value.failures[0].rstrip().endswith("last words")
+    assert job.state.ranks[0].last_line == "last words" and job.state.ranks[0].lines == 100_001
 
 
 def test_long_lines_are_cut_and_unfinished_lines_show_up(tmp_path: Path) -> None:

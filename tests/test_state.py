@@ -70,3 +70,19 @@ def test_every_event_and_heartbeat_marks_the_rank_as_seen() -> None:
     assert seen is not None and job.ranks[0].lines == 0 and job.ranks[0].state == state.PENDING
     job.apply(0, out(("x", "\n")))
     assert job.ranks[0].last_seen is not None and job.ranks[0].last_seen >= seen
+
+
+def test_a_rank_not_heard_of_for_three_heartbeats_is_silent() -> None:
+    """Starting or running ranks go silent after SILENT_AFTER_S without events; others never."""
+    job = JobState("j", "local", 4)
+    for r in (0, 1, 2):
+        job.apply(r, {"t": "state", "state": "starting", "pid": 1, "host": "h"})
+    job.apply(1, {"t": "state", "state": "running"})
+    job.set_rank(2, state.DONE, 0)
+    later = max(r.last_seen or 0 for r in job.ranks) + state.SILENT_AFTER_S
+    assert state.SILENT_AFTER_S == 3 * state.HEARTBEAT_S
+    assert job.silent_ranks(now=later - 1) == []
+    assert job.silent_ranks(now=later) == [0, 1]  # rank 2 ended, rank 3 never connected
+    job.apply(1, {"t": "hb"})
+    assert job.silent_ranks(now=later) == [0]
+    assert not job.ranks[3].silent(now=later + 1000)

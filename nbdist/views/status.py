@@ -17,8 +17,10 @@ from nbdist.state import (
     DONE,
     FAILED,
     FINAL,
+    HEARTBEAT_S,
     PENDING,
     RUNNING,
+    SILENT_AFTER_S,
     STARTING,
     JobState,
     RankState,
@@ -31,6 +33,9 @@ STATE_COLORS = {
     PENDING: "#9e9e9e", STARTING: "#5c6bc0", RUNNING: "#1e88e5",
     DONE: "#2e7d32", FAILED: "#c62828", CANCELLED: "#ef6c00",
 }
+#: The badge of a rank that should be talking but was not heard of (``RankState.silent``).
+SILENT = "silent"
+SILENT_COLOR = "#8e24aa"
 #: Rows of a static summary or a ranks report before the rest is summed up in one line.
 MAX_TABLE_ROWS = 64
 #: Lines of output (all ranks, merged) kept in the static summary of a finished job.
@@ -72,7 +77,18 @@ def metrics_text(metrics: dict[str, Any]) -> str:
 def _counts(job: JobState) -> str:
     order = (PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED)
     counts = job.counts()
-    return ", ".join(f"{counts[s]} {s}" for s in order if counts.get(s))
+    text = ", ".join(f"{counts[s]} {s}" for s in order if counts.get(s))
+    silent = job.silent_ranks()
+    if silent:
+        text += f" ({len(silent)} {SILENT}: {_ranks(silent)})"
+    return text
+
+
+def silent_since(r: RankState) -> str:
+    """``silent since 12:03:05``: when a silent rank was last heard of (a value that does not
+    change while it stays silent, so views do not re-render it every second)."""
+    when = time.strftime("%H:%M:%S", time.localtime(r.last_seen or 0))
+    return f"{SILENT} since {when}: no heartbeat from its supervisor"
 
 
 def _last(r: RankState, limit: int = LAST_LINE_CHARS) -> str:
@@ -80,8 +96,12 @@ def _last(r: RankState, limit: int = LAST_LINE_CHARS) -> str:
     return (last[:limit] + "...") if len(last) > limit else last
 
 
+def state_color(state: str) -> str:
+    return SILENT_COLOR if state == SILENT else STATE_COLORS.get(state, "#777")
+
+
 def _badge(state: str) -> str:
-    color = STATE_COLORS.get(state, "#777")
+    color = state_color(state)
     return (f'<span style="background:{color};color:white;padding:0 4px;border-radius:3px">'
             f"{html.escape(state)}</span>")
 
@@ -165,8 +185,13 @@ def _result_ready(job: JobState) -> str:
     return "no" if job.state in FINAL else "-"
 
 
+def _job_state(j: JobState) -> str:
+    silent = j.silent_ranks()
+    return f"{j.state} ({len(silent)} {SILENT})" if silent else j.state
+
+
 def _job_row(j: JobState) -> list[Any]:
-    return [j.id, j.backend, j.np, j.state, f"{j.elapsed:.1f} s",
+    return [j.id, j.backend, j.np, _job_state(j), f"{j.elapsed:.1f} s",
             ",".join(map(str, j.failed_ranks)) or "-", _result_ready(j)]
 
 
@@ -188,9 +213,14 @@ def _seen(r: RankState) -> str:
     return f"{_duration(time.time() - r.last_seen)} ago"
 
 
+def rank_state(r: RankState) -> str:
+    """The rank's state, or ``silent`` for one that should be talking and is not."""
+    return SILENT if r.silent() else r.state
+
+
 def _rank_row(r: RankState) -> list[Any]:
     bar = r.progress.get(r.bar) if r.bar is not None else None
-    return [r.rank, r.state, r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
+    return [r.rank, rank_state(r), r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
             html.unescape(progress_text(bar)) if bar else "", _last(r)]
 
 
@@ -200,7 +230,19 @@ def _rank_rows(job: JobState) -> tuple[list[list[Any]], int]:
 
 
 def _job_head(job: JobState) -> str:
-    return f"job {job.id}: {job.np} ranks on {job.backend}, {job.state}, {job.elapsed:.1f} s"
+    return (f"job {job.id}: {job.np} ranks on {job.backend}, {_job_state(job)}, "
+            f"{job.elapsed:.1f} s")
+
+
+def silent_note(job: JobState) -> str:
+    """What silent ranks mean and what to do, or "" when there are none."""
+    silent = job.silent_ranks()
+    if not silent:
+        return ""
+    return (f"{SILENT} ranks: {_ranks(silent)}: nothing heard for over {SILENT_AFTER_S:g} s "
+            f"although each rank's supervisor sends a heartbeat every {HEARTBEAT_S:g} s. Its "
+            f"process, host or network to the driver may be stuck; %dist_cancel {job.id} "
+            f"stops the job.")
 
 
 def _ranks_block(job: JobState, head: str) -> str:
@@ -211,7 +253,8 @@ def _ranks_block(job: JobState, head: str) -> str:
     table = _table(_RANK_COLUMNS, rows)
     if more:
         table += f"\n... and {more} more ranks ({_counts(job)})"
-    return head + "\n" + table
+    note = silent_note(job)
+    return head + "\n" + table + (f"\n{note}" if note else "")
 
 
 def ranks_table(job: JobState) -> str:
@@ -303,7 +346,7 @@ class JobsReport(_Report):
             rows = []
             for j in self.jobs:
                 row = _job_row(j)
-                row[3] = _badge(j.state)
+                row[3] = _badge(j.state) + (f" {_badge(SILENT)}" if j.silent_ranks() else "")
                 rows.append(row)
             table = _html_table(_JOB_COLUMNS, rows, raw=frozenset({3}))
         else:
@@ -333,4 +376,7 @@ class RanksReport(_Report):
             row[7] = "<pre style='margin:0'>" + html.escape("\n".join(lines)) + "</pre>"
         table = _html_table((*_RANK_COLUMNS[:-1], "last lines"), rows, raw=frozenset({1, 7}))
         more_html = f"<div>… and {more} more ranks</div>" if more else ""
-        return f"<div class='nbdist-status'>{header_html(job)}{table}{more_html}</div>"
+        note = silent_note(job)
+        note_html = f"<div style='color:{SILENT_COLOR}'>{html.escape(note)}</div>" if note else ""
+        return (f"<div class='nbdist-status'>{header_html(job)}{table}{more_html}"
+                f"{note_html}</div>")

@@ -40,6 +40,7 @@ class TextView(BackgroundRenderer):
         self.stream = stream
         self._seq = 0
         self._status: dict[int, tuple[str, float]] = {}
+        self._silent: set[int] = set()
         self._width = len(str(max(job.np - 1, 0)))
         self._lock = threading.Lock()
         self._closed = False
@@ -72,6 +73,13 @@ class TextView(BackgroundRenderer):
                 out.write(f"[rank {rank:>{self._width}}] {text}\n")
                 self._status[rank] = (text, now)
                 wrote = True
+        silent = set(self.job.silent_ranks())
+        for rank in sorted(silent ^ self._silent):
+            r = self.job.ranks[rank]
+            what = status.silent_since(r) if rank in silent else "heard from again"
+            out.write(f"[rank {rank:>{self._width}}] {what}\n")
+            wrote = True
+        self._silent = silent
         if wrote:
             out.flush()
 

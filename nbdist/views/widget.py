@@ -68,7 +68,7 @@ _BAR_STYLE = {DONE: "success", FAILED: "danger", CANCELLED: "warning"}
 
 
 def _badge(state: str) -> str:
-    color = status.STATE_COLORS.get(state, "#777")
+    color = status.state_color(state)
     return f'<span class="nbdist-badge" style="background:{color}">{html.escape(state)}</span>'
 
 
@@ -116,7 +116,8 @@ class _Row:
         where = " · ".join(html.escape(x) for x in (r.host or "", f"GPU {r.gpu}" if r.gpu else "")
                            if x)
         sent = _set(self.label, value=(
-            f"<b>rank {r.rank}</b> {_badge(r.state)} <span class='nbdist-muted'>{where}</span>"
+            f"<b>rank {r.rank}</b> {_badge(status.rank_state(r))} "
+            f"<span class='nbdist-muted'>{where}</span>"
         ))
         bar = current_bar(r)
         sent += _set(self.bar, value=1.0 if r.state == DONE and bar is None else _fraction(bar),
@@ -126,6 +127,9 @@ class _Row:
 
 def _details(r: RankState, bar: dict[str, Any] | None) -> str:
     parts = []
+    if r.silent():
+        parts.append(f"<b style='color:{status.SILENT_COLOR}'>"
+                     f"{html.escape(status.silent_since(r))}</b>")
     if bar is not None:
         parts.append(status.progress_text(bar))
     if r.metrics:
@@ -169,7 +173,7 @@ class Panel(BackgroundRenderer):
         self.job = job
         self.collapsed = job.np > max_rows
         self.renders = 0  # how many times the panel re-rendered (not counting unchanged ticks)
-        self._version = -1
+        self._version: tuple[int, tuple[int, ...]] = (-1, ())  # state version, silent ranks
         self._log_turn = 0
         self._lock = threading.Lock()  # one render at a time: the flusher, or close()
         self._finalized = False
@@ -255,7 +259,8 @@ class Panel(BackgroundRenderer):
     def _render(self, *, final: bool) -> int:
         job = self.job
         with job.lock:
-            version = job.version
+            # A rank falling silent changes no state: it is the absence of events.
+            version = (job.version, tuple(job.silent_ranks()))
             if version == self._version and not final:
                 return self._render_header()  # the elapsed time moves on
             self._version = version
@@ -307,9 +312,11 @@ class Panel(BackgroundRenderer):
 
 
 def _worth_showing(job: JobState, slots: int) -> list[int]:
-    """Ranks to give the rows of a collapsed panel: rank 0, failures, then the slowest."""
+    """Ranks to give the rows of a collapsed panel: rank 0, failures, silent ranks, then
+    the slowest."""
     chosen = [0]
     chosen += [r.rank for r in job.ranks if r.state == FAILED and r.rank != 0]
+    chosen += [rank for rank in job.silent_ranks() if rank not in chosen]
     rest = sorted(
         (r for r in job.ranks if r.rank not in chosen),
         key=lambda r: (r.state in FINAL, _fraction(current_bar(r)), r.rank),
