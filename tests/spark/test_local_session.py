@@ -20,7 +20,7 @@ from nbdist import job as jobs
 from nbdist import state
 
 from ..conftest import GONE_WITHIN_S, wait_for
-from .conftest import spark_job_ids
+from ..sparks import spark_job_ids
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
 
