@@ -11,7 +11,8 @@ The tree::
           └── DistributedError  one or more ranks failed, timed out or were cancelled
 
     UserWarning
-     └── CaptureWarning         a value the cell uses is large (every rank gets a copy)
+     ├── CaptureWarning         a value the cell uses is large (every rank gets a copy)
+     └── OutputLostWarning      ranks ran, but their live output did not reach the notebook
 
 Bad user input to a magic is IPython's own ``UsageError``, raised by ``magics.py``.
 This module is imported on ranks: standard library only.
@@ -39,6 +40,11 @@ class CaptureError(NbdistError):
 
 class CaptureWarning(UserWarning):
     """A value the cell uses is large: every rank receives a copy when it starts."""
+
+
+class OutputLostWarning(UserWarning):
+    """Ranks could not reach (or lost) the driver's event channel: they ran and their results
+    came back through the backend, but their live output, progress and metrics were lost."""
 
 
 class CapacityError(NbdistError):

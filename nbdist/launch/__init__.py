@@ -33,6 +33,7 @@ class LaunchRequest:
     payload: bytes
     gpu: bool
     env: dict[str, str] = field(default_factory=dict)
+    run_id: str = ""  # TORCHELASTIC_RUN_ID, for ranks that plan their world without the driver
 
 
 class Launcher(Protocol):

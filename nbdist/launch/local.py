@@ -2,7 +2,9 @@
 
 The supervisors run as threads of the driver (the kernel); each starts its rank in a new
 process group. If the kernel dies, even by SIGKILL, each rank sees its control pipe close and
-kills its own group.
+kills its own group. When the kernel's event server cannot be reached (a firewall on loopback,
+a broken socket layer), the supervisors share their hellos in memory instead (:class:`Hellos`)
+and the ranks run without live output.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from nbdist import runtime
 from nbdist.errors import CapacityError
@@ -157,6 +160,38 @@ class WarmPool:
             return [rp.pid for _, rp in self._idle if rp.alive()]
 
 
+class Hellos:
+    """One job's hellos, shared in memory by its supervisors: the rendezvous without a channel.
+
+    Every supervisor that cannot reach the event server calls :meth:`gather` and waits until
+    all ``np`` have; :meth:`cancel` ends the wait. A supervisor that did reach the server never
+    calls it, so a job whose ranks disagree on the channel ends at the rendezvous timeout.
+    """
+
+    def __init__(self, np: int, timeout: float) -> None:
+        self._np = np
+        self._timeout = timeout
+        self._hellos: dict[int, dict[str, Any]] = {}
+        self._cancelled = False
+        self._cond = threading.Condition()
+
+    def gather(self, hello: dict[str, Any]) -> list[dict[str, Any]]:
+        with self._cond:
+            self._hellos[int(hello["rank"])] = hello
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._cancelled or len(self._hellos) == self._np,
+                                self._timeout)
+            if len(self._hellos) < self._np:
+                missing = sorted(set(range(self._np)) - set(self._hellos))
+                raise TimeoutError(f"ranks {missing} did not join the rendezvous")
+            return [self._hellos[r] for r in range(self._np)]
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+
 #: The kernel's pool of warm interpreters, filled after each local job.
 pool = WarmPool()
 atexit.register(pool.clear)
@@ -173,6 +208,7 @@ class LocalLauncher:
         self._cancelled = False
         self._finished = 0
         self._np = 0
+        self._hellos: Hellos | None = None
         self._on_outcome: Callable[[RankOutcome], None] = lambda outcome: None
 
     def driver_host(self) -> str:
@@ -203,13 +239,14 @@ class LocalLauncher:
         if not env["PYTHONPATH"]:
             del env["PYTHONPATH"]
         cwd = os.getcwd()
+        hellos = self._hellos = Hellos(request.np, RankSpec.rendezvous_timeout)
         for rank in range(request.np):
             spec = RankSpec(
                 rank=rank, world_size=request.np, job_id=request.job_id, secret=request.secret,
                 driver=request.driver, payload=request.payload, host="127.0.0.1", cwd=cwd,
-                gpus=(gpus[rank],) if gpus else (), env=env,
+                gpus=(gpus[rank],) if gpus else (), env=env, run_id=request.run_id,
             )
-            sup = Supervisor(spec, take=pool.take)
+            sup = Supervisor(spec, take=pool.take, gather=hellos.gather)
             with self._lock:
                 self._supervisors.append(sup)
                 if self._cancelled:
@@ -233,8 +270,11 @@ class LocalLauncher:
         with self._lock:
             self._cancelled = True
             sups = list(self._supervisors)
+            hellos = self._hellos
         for sup in sups:
             sup.cancel()
+        if hellos is not None:
+            hellos.cancel()
 
 
 def _run(sup: Supervisor, on_outcome: Callable[[RankOutcome], None]) -> None:
