@@ -21,7 +21,7 @@ import cloudpickle
 
 from nbdist import events, state
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning
-from nbdist.launch import Launcher, LaunchRequest
+from nbdist.launch import Launcher, LaunchRequest, payload_modules
 from nbdist.rank import RankOutcome
 from nbdist.world import Hello, plan_world
 
@@ -142,6 +142,7 @@ class Job:
         request = LaunchRequest(
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
             payload=body, gpu=self.gpu, env=self._env, run_id=self.run_id,
+            modules=payload_modules(payload),
         )
         try:
             launcher.start(request, self._on_outcome)

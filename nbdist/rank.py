@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, Protocol
 
 from nbdist import events, runtime
 from nbdist.world import Hello, plan_world
@@ -56,12 +56,26 @@ TERM_GRACE_S = 2.0
 TAIL_LINES = 20
 
 
+class Proc(Protocol):
+    """What the supervisor needs of a rank's process: a ``Popen``, or a zygote's fork."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 class RankProcess:
-    """A rank's interpreter with its pipes: started here, or taken warm from a pool.
+    """A rank's interpreter with its pipes: started here, taken warm from a pool, or forked.
 
     The interpreter runs in a new session (its own process group). Closing ``ctl_in`` is how
     it learns that its supervisor is gone: it then kills its group.
     """
+
+    proc: Proc
 
     def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
         ctl_in_r, ctl_in_w = os.pipe()
@@ -70,7 +84,7 @@ class RankProcess:
         full["NBDIST_CTL_IN"], full["NBDIST_CTL_OUT"] = str(ctl_in_r), str(ctl_out_w)
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [python, "-c", "from nbdist.runtime import main; main()"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(ctl_in_r, ctl_out_w), start_new_session=True, env=full, cwd=cwd,
@@ -82,6 +96,17 @@ class RankProcess:
         finally:
             os.close(ctl_in_r)
             os.close(ctl_out_w)
+        self._attach(proc, ctl_in_w, ctl_out_r)
+
+    @classmethod
+    def attach(cls, proc: Proc, ctl_in_w: int, ctl_out_r: int) -> RankProcess:
+        """A rank's interpreter started elsewhere (a zygote's fork), given its control pipes."""
+        rp = cls.__new__(cls)
+        rp._attach(proc, ctl_in_w, ctl_out_r)
+        return rp
+
+    def _attach(self, proc: Proc, ctl_in_w: int, ctl_out_r: int) -> None:
+        self.proc = proc
         self.ctl_in = os.fdopen(ctl_in_w, "wb")
         self.started = time.monotonic()
         #: Frames from the interpreter, None at the end; one reader for its whole life, so a
@@ -231,12 +256,13 @@ class Supervisor:
         self._world_env: dict[str, str] = {}
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Proc | None = None
         self._result: bytes | None = None
         self._error: dict[str, str] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
+        self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -281,6 +307,8 @@ class Supervisor:
         try:
             return self._run_rank()
         finally:
+            if self._killer is not None:
+                self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
             self._kill_group(signal.SIGKILL)
             if self._rp is not None:
                 self._rp.close()
@@ -390,7 +418,7 @@ class Supervisor:
             )
         return outcome
 
-    def _spawn(self) -> subprocess.Popen[bytes] | None:
+    def _spawn(self) -> Proc | None:
         spec = self.spec
         world = dict(self._world_env)
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
@@ -528,9 +556,9 @@ class Supervisor:
         # its process group (setsid) can no longer be found through it.
         self._escapees = _descendants(proc.pid)
         self._kill_group(signal.SIGTERM)
-        killer = threading.Timer(TERM_GRACE_S, self._kill_group, args=(signal.SIGKILL,))
-        killer.daemon = True
-        killer.start()
+        self._killer = threading.Timer(TERM_GRACE_S, self._kill_group, args=(signal.SIGKILL,))
+        self._killer.daemon = True
+        self._killer.start()
 
     def _kill_group(self, sig: int) -> None:
         proc = self._proc

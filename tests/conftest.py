@@ -78,6 +78,18 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     assert not left, f"processes left running after the test: {left}"
 
 
+def is_rank(proc: psutil.Process) -> bool:
+    """A rank's interpreter: started fresh (it runs nbdist.runtime), or forked by a zygote
+    (it shows the zygote's command line, and so does its parent)."""
+    from nbdist.launch.zygote import COMMAND
+
+    cmd = " ".join(proc.cmdline())
+    if "nbdist.runtime" in cmd:
+        return True
+    parent = proc.parent() if COMMAND in cmd else None
+    return parent is not None and COMMAND in " ".join(parent.cmdline())
+
+
 def rank_processes() -> list[psutil.Process]:
     """Rank interpreters started from this process, the idle warm ones excepted."""
     from nbdist.launch.local import pool
@@ -88,7 +100,7 @@ def rank_processes() -> list[psutil.Process]:
         try:
             if p.pid in warm or p.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if "nbdist.runtime" in " ".join(p.cmdline()):
+            if is_rank(p):
                 found.append(p)
         except psutil.Error:
             pass

@@ -58,15 +58,14 @@ _COMMON_CONF = {
 
 def marked_rank_processes(mark: str) -> list[psutil.Process]:
     """Rank interpreters (and what they started) of this test session, anywhere on the machine."""
+    from .conftest import is_rank
+
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter():
         try:
-            cmd = " ".join(proc.info["cmdline"] or ())
             if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get(MARK) != mark:
                 continue
-            if "nbdist.runtime" in cmd or any(
-                "nbdist.runtime" in " ".join(p.cmdline()) for p in proc.parents()
-            ):
+            if is_rank(proc) or any(is_rank(p) for p in proc.parents()):
                 found.append(proc)
         except psutil.Error:
             pass

@@ -19,7 +19,7 @@ import pytest
 
 import nbdist
 
-from ..conftest import rank_processes, wait_for
+from ..conftest import is_rank, rank_processes, wait_for
 from . import rows
 
 pytestmark = pytest.mark.timeout(180)
@@ -103,8 +103,7 @@ def test_interrupt_in_a_real_kernel_stops_the_ranks(tmp_path: Path) -> None:
                             "time.sleep(600)")
         wait_for(lambda: len(list(tmp_path.glob("up*"))) == 2, 120, "both ranks up")
         kernel = psutil.Process(km.provisioner.process.pid)  # type: ignore[union-attr]
-        ranks = [p for p in kernel.children(recursive=True) if "nbdist.runtime" in
-                 " ".join(p.cmdline())]
+        ranks = [p for p in kernel.children(recursive=True) if is_rank(p)]
         assert len(ranks) == 2
         km.interrupt_kernel()
         reply = kc.get_shell_msg(timeout=60)
