@@ -200,8 +200,11 @@ class Zygote:
                 data = b""
             if not data:
                 break
-            msg = json.loads(data)
-            kind = msg.get("t")
+            try:
+                msg = json.loads(data)
+            except ValueError:  # not from our zygote's code: stop trusting it
+                break
+            kind = msg.get("t") if isinstance(msg, dict) else None
             if kind == "forked":
                 pid = msg.get("pid")
                 if isinstance(pid, int):
@@ -243,7 +246,7 @@ class Zygote:
                 pass
             proc._end(-signal.SIGKILL)
         self._sock.close()
-        self.proc.wait()
+        self._kill()  # dead already, unless it spoke garbage
 
     def _kill(self) -> None:
         try:
