@@ -4,13 +4,15 @@ Scenarios (np = 2, CPU, gloo), every contender interleaved in each repetition, m
 reported with the ratio to the baseline measured in the same run:
 
 1. **launch, local** — a trivial job (``import torch``, ``init_process_group("gloo")``, return
-   the rank), cold: nbdist local (no warm interpreters) vs ``torch.multiprocessing.spawn``
+   the rank), cold: nbdist local (no zygote or warm interpreter left from an earlier job; also
+   with ``NBDIST_ZYGOTE=0``, every rank a fresh interpreter) vs ``torch.multiprocessing.spawn``
    from a parent that already imported torch (baseline) vs TorchDistributor(local_mode=True)
    vs accelerate's ``notebook_launcher``.
 2. **launch, Spark** — the same on a warm ``local[2]`` SparkSession: nbdist's Spark backend vs
    TorchDistributor(local_mode=False) (baseline).
 3. **second run** — the trivial job again right after the first, as a user iterating does:
-   nbdist (warm interpreters) vs nbdist cold (baseline) vs mp.spawn.
+   nbdist (ranks forked from the first run's zygote; and with ``NBDIST_ZYGOTE=0``, warm
+   interpreters started when the first run ended) vs nbdist cold (baseline) vs mp.spawn.
 4. **training** — a small DDP training, 200 steps, each printing a line and advancing a tqdm
    bar, end to end: nbdist (cold and warm) vs mp.spawn (baseline).
 
@@ -25,13 +27,15 @@ contender that cannot run here is reported as such, not dropped silently.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +90,21 @@ def _spawned(index: int, fn: Callable[[], Any], port: int) -> None:
 
 
 # -- contenders --------------------------------------------------------------------------------
-def nbdist_cold(fn: Callable[[], Any]) -> None:
+def nbdist_cold(fn: Callable[[], Any], zygote: bool = True) -> None:
     local.pool.clear()
-    nbdist.run(fn, np=2, backend="local").result()
+    with zygotes(zygote):
+        nbdist.run(fn, np=2, backend="local").result()
     local.pool.clear()  # the next contender must not pay for our warm-up in the background
+
+
+@contextlib.contextmanager
+def zygotes(on: bool) -> Iterator[None]:
+    """With ranks forked from a zygote (the default), or all fresh (``NBDIST_ZYGOTE=0``)."""
+    saved, local.ZYGOTE = local.ZYGOTE, on and local.ZYGOTE
+    try:
+        yield
+    finally:
+        local.ZYGOTE = saved
 
 
 def spawn(fn: Callable[[], Any]) -> None:
@@ -153,19 +168,20 @@ def scenario(
             "errors": errors}
 
 
-def second_run(fn: Callable[[], Any], pause: float = 0.0) -> float:
+def second_run(fn: Callable[[], Any], pause: float = 0.0, zygote: bool = True) -> float:
     """The same job run again ``pause`` s after a first run: what a user iterating waits for.
 
-    The pause (not timed) stands for reading the result and editing the cell; warm
-    interpreters are started when the first run ends and need about one ``import torch`` to
-    be ready.
+    The pause (not timed) stands for reading the result and editing the cell. A zygote is
+    warm when the first run ends; warm interpreters (``zygote=False``) are started then and
+    need about one ``import torch`` to be ready.
     """
     local.pool.clear()
-    nbdist.run(fn, np=2, backend="local").result()
-    local.pool.wait_ready(timeout=pause)
-    start = time.perf_counter()
-    nbdist.run(fn, np=2, backend="local").result()
-    elapsed = time.perf_counter() - start
+    with zygotes(zygote):
+        nbdist.run(fn, np=2, backend="local").result()
+        local.pool.wait_ready(timeout=pause)
+        start = time.perf_counter()
+        nbdist.run(fn, np=2, backend="local").result()
+        elapsed = time.perf_counter() - start
     local.pool.clear()
     return elapsed
 
@@ -204,7 +220,9 @@ def main() -> int:
     def use(run: Callable[[Callable[[], Any]], None], fn: Callable[[], Any]) -> Callable[[], float]:
         return lambda: timed(run, fn)
 
-    launch = {"mp.spawn": use(spawn, trivial), "nbdist local (cold)": use(nbdist_cold, trivial)}
+    launch = {"mp.spawn": use(spawn, trivial), "nbdist local (cold)": use(nbdist_cold, trivial),
+              "nbdist local (cold), NBDIST_ZYGOTE=0": use(partial(nbdist_cold, zygote=False),
+                                                          trivial)}
     if spark is not None:
         launch["TorchDistributor local_mode=True"] = use(torch_distributor(True), trivial)
     if not args.quick:
@@ -222,12 +240,16 @@ def main() -> int:
         {"nbdist local (cold)": use(nbdist_cold, trivial),
          "nbdist local, second run at once": lambda: second_run(trivial),
          "nbdist local, second run once warm (≤ 5 s later)": lambda: second_run(trivial, 5.0),
+         "NBDIST_ZYGOTE=0: second run at once": lambda: second_run(trivial, zygote=False),
+         "NBDIST_ZYGOTE=0: second run once warm (≤ 5 s later)":
+             lambda: second_run(trivial, 5.0, zygote=False),
          "mp.spawn": use(spawn, trivial)},
         "nbdist local (cold)", reps,
     ))
     results.append(scenario(
         f"4. DDP training, {STEPS} steps with a print and a tqdm bar each, np=2",
         {"mp.spawn": use(spawn, training), "nbdist local (cold)": use(nbdist_cold, training),
+         "nbdist local, second run at once": lambda: second_run(training),
          "nbdist local, second run once warm (≤ 5 s later)": lambda: second_run(training, 5.0)},
         "mp.spawn", reps,
     ))

@@ -13,7 +13,8 @@ The tree::
           └── CellSyntaxError   the cell is not valid Python (shown without nbdist's frames)
 
     UserWarning
-     └── CaptureWarning         a value the cell uses is large (every rank gets a copy)
+     ├── CaptureWarning         a value the cell uses is large (every rank gets a copy)
+     └── OutputLostWarning      ranks ran, but their live output did not reach the notebook
 
 Bad user input to a magic is IPython's own ``UsageError``, raised by ``magics.py``.
 This module is imported on ranks: standard library only.
@@ -51,6 +52,11 @@ class CellSyntaxError(SyntaxError):
 
 class CaptureWarning(UserWarning):
     """A value the cell uses is large: every rank receives a copy when it starts."""
+
+
+class OutputLostWarning(UserWarning):
+    """Ranks could not reach (or lost) the driver's event channel: they ran and their results
+    came back through the backend, but their live output, progress and metrics were lost."""
 
 
 class CapacityError(NbdistError):

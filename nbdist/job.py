@@ -12,6 +12,7 @@ import pickle
 import secrets
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -19,8 +20,8 @@ from typing import Any, Protocol
 import cloudpickle
 
 from nbdist import events, state
-from nbdist.errors import DistributedError, LaunchError
-from nbdist.launch import Launcher, LaunchRequest
+from nbdist.errors import DistributedError, LaunchError, OutputLostWarning
+from nbdist.launch import Launcher, LaunchRequest, payload_modules
 from nbdist.rank import RankOutcome
 from nbdist.world import Hello, plan_world
 
@@ -161,6 +162,8 @@ class Job:
         self._done = threading.Event()
         self._results: list[Any] = []
         self._error: BaseException | None = None
+        self._lost: str | None = None  # what output never reached the notebook, in words
+        self._warned = False
         self._started = time.monotonic()
 
         launcher.check(np, self.gpu)
@@ -171,7 +174,8 @@ class Job:
             register(self)
         request = LaunchRequest(
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
-            payload=body, gpu=self.gpu, env=self._env, session=session,
+            payload=body, gpu=self.gpu, env=self._env, run_id=self.run_id,
+            modules=payload_modules(payload), session=session,
         )
         try:
             launcher.start(request, self._on_outcome)
@@ -188,13 +192,8 @@ class Job:
 
     # -- the event channel (called on the server's thread) -------------------------------------
     def on_connect(self, rank: int, hello: events.Event) -> None:
-        gpus = tuple(str(g) for g in hello.get("gpus") or ())
-        port = hello.get("port")
-        h = Hello(
-            rank=rank, host=str(hello.get("host")), port=port if isinstance(port, int) else None,
-            gpus=gpus, cpus=int(hello.get("cpus") or 1),
-        )
-        self.state.apply(rank, {"t": "hello", "host": h.host, "gpus": list(gpus)})
+        h = Hello.from_event(rank, hello)
+        self.state.apply(rank, {"t": "hello", "host": h.host, "gpus": list(h.gpus)})
         with self._lock:
             self._open[rank] = self._open.get(rank, 0) + 1
             self._hellos[rank] = h
@@ -236,6 +235,10 @@ class Job:
 
     # -- outcomes ---------------------------------------------------------------------------
     def _on_outcome(self, outcome: RankOutcome) -> None:
+        if outcome.lost_lines and outcome.tail:
+            # The rank's live output never arrived; its last lines came with its outcome.
+            self.state.apply(outcome.rank, {"t": "out", "s": "o",
+                                            "text": "".join(f"{t}\n" for t in outcome.tail)})
         self.state.set_rank(outcome.rank, outcome.status, outcome.exit_code)
         with self._lock:
             self._outcomes[outcome.rank] = outcome
@@ -293,11 +296,15 @@ class Job:
                 self._results = [self._load(o) for o in outcomes]
             except DistributedError as exc:
                 error = exc
+        self._lost = _lost_output(outcomes)
+        if self._lost is not None and isinstance(error, DistributedError):
+            error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
+                                     reason=error.reason, failures=error.failures)
         self._error = error
         final = state.DONE if error is None else (
             state.CANCELLED if getattr(error, "reason", "") == "cancelled" else state.FAILED
         )
-        self.state.finish(final, "" if error is None else str(error))
+        self.state.finish(final, str(error) if error is not None else self._lost or "")
         self._done.set()
 
     def _load(self, outcome: RankOutcome) -> Any:
@@ -386,6 +393,9 @@ class Job:
             raise TimeoutError(f"job {self.id} is still running after {timeout} s")
         if self._error is not None:
             raise self._error
+        if self._lost is not None and not self._warned:
+            self._warned = True
+            warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
         return self._results[0]
 
     @property
@@ -398,9 +408,36 @@ class Job:
     def error(self) -> BaseException | None:
         return self._error
 
+    @property
+    def lost_output(self) -> str | None:
+        """What the ranks printed or reported that never reached the notebook, in words."""
+        return self._lost
+
     def __repr__(self) -> str:
         where = f"{self.np} ranks on {self.launcher.name}"
         return f"<nbdist job {self.id}: {where}, {self.state.state}>"
+
+
+def _lost_output(outcomes: list[RankOutcome]) -> str | None:
+    """One warning for the ranks whose output did not reach the driver (None: nothing lost)."""
+    lossy = [o for o in outcomes if o.channel_error or o.lost_lines or o.dropped_events]
+    if not lossy:
+        return None
+    ranks = ", ".join(str(o.rank) for o in lossy)
+    lines = sum(o.lost_lines for o in lossy)
+    updates = sum(o.dropped_events for o in lossy)
+    why = next((o.channel_error for o in lossy if o.channel_error), "")
+    return (
+        f"output lost from rank{'s' if len(lossy) > 1 else ''} {ranks}: {_count(lines, 'line')} "
+        f"of output and {_count(updates, 'progress/metrics update')} never reached the "
+        f"notebook (each rank's last lines are shown); results and errors came back through "
+        f"the backend. {why}. Check that the ranks can connect to that address (a firewall; "
+        f"on Spark, spark.driver.host)."
+    )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def start(

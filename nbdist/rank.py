@@ -6,6 +6,12 @@ its stdout/stderr at the file-descriptor level and its structured events to the 
 returns how the rank ended. It kills the rank's whole process group when cancelled, when the
 driver asks, and after the rank exits (so nothing the rank started lingers).
 
+When the event server cannot be reached, the rank still runs: the backend shares the ranks'
+hellos its own way (``gather``: in memory for local ranks, ``BarrierTaskContext.allGather`` on
+Spark), each supervisor plans the world from them as the driver would, and the result returns
+through the backend as always. What could not be sent (output lines, progress, metrics) is
+counted in the outcome, and the driver reports it.
+
 Imports only the standard library and psutil: it runs inside Spark's Python workers too.
 """
 
@@ -29,9 +35,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, Protocol
 
 from nbdist import events, runtime, state
+from nbdist.world import Hello, plan_world
 
 #: Output lines longer than this are cut (the rest is counted, not sent).
 MAX_LINE_CHARS = 16 * 1024
@@ -61,24 +68,41 @@ RESULT_CHUNK = 4 * 1024 * 1024
 SYNC_WAIT_S = 2.0
 
 
+class Proc(Protocol):
+    """What the supervisor needs of a rank's process: a ``Popen``, or a zygote's fork."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def new_sync_marker() -> str:
+    """A marker no program prints by chance: a rank writes it after each session cell."""
+    return f"\x1fnbdist-sync-{secrets.token_hex(8)}\x1f\n"
+
+
 class RankProcess:
-    """A rank's interpreter with its pipes: started here, or taken warm from a pool.
+    """A rank's interpreter with its pipes: started here, taken warm from a pool, or forked.
 
     The interpreter runs in a new session (its own process group). Closing ``ctl_in`` is how
     it learns that its supervisor is gone: it then kills its group.
     """
+
+    proc: Proc
 
     def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
         ctl_in_r, ctl_in_w = os.pipe()
         ctl_out_r, ctl_out_w = os.pipe()
         full = {**os.environ, **env}
         full["NBDIST_CTL_IN"], full["NBDIST_CTL_OUT"] = str(ctl_in_r), str(ctl_out_w)
-        #: What the interpreter writes on stdout and stderr after a session cell's output.
-        self.sync_marker = f"\x1fnbdist-sync-{secrets.token_hex(8)}\x1f\n"
-        full["NBDIST_SYNC"] = self.sync_marker
+        full["NBDIST_SYNC"] = sync = new_sync_marker()
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [python, "-c", "from nbdist.runtime import main; main()"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(ctl_in_r, ctl_out_w), start_new_session=True, env=full, cwd=cwd,
@@ -90,6 +114,20 @@ class RankProcess:
         finally:
             os.close(ctl_in_r)
             os.close(ctl_out_w)
+        self._attach(proc, ctl_in_w, ctl_out_r, sync)
+
+    @classmethod
+    def attach(cls, proc: Proc, ctl_in_w: int, ctl_out_r: int, sync: str) -> RankProcess:
+        """A rank's interpreter started elsewhere (a zygote's fork), given its control pipes
+        and the sync marker it was told (``NBDIST_SYNC``)."""
+        rp = cls.__new__(cls)
+        rp._attach(proc, ctl_in_w, ctl_out_r, sync)
+        return rp
+
+    def _attach(self, proc: Proc, ctl_in_w: int, ctl_out_r: int, sync: str) -> None:
+        self.proc = proc
+        #: What the interpreter writes on stdout and stderr after a session cell's output.
+        self.sync_marker = sync
         self.ctl_in = os.fdopen(ctl_in_w, "wb")
         self.started = time.monotonic()
         #: Frames from the interpreter, None at the end; one reader for its whole life, so a
@@ -165,6 +203,7 @@ class RankSpec:
     env: dict[str, str] = field(default_factory=dict)  # set at spawn, before the rendezvous env
     python: str = sys.executable
     rendezvous_timeout: float = 300.0
+    run_id: str = ""  # TORCHELASTIC_RUN_ID, for a world planned without the driver
     #: A persistent session's rank (``%dist_session``): no payload at start; cells arrive from
     #: the driver over the event channel, one after another, until it says ``quit``.
     session: bool = False
@@ -181,8 +220,10 @@ class RankOutcome:
     exit_code: int | None = None
     pid: int | None = None
     tail: list[str] = field(default_factory=list)
-    dropped_events: int = 0
+    dropped_events: int = 0  # progress, metrics and other events that never reached the driver
     result_type: str | None = None  # "module.Class" of the result, known even if unpicklable
+    lost_lines: int = 0  # lines of output that never reached the driver
+    channel_error: str | None = None  # why the event server could not be reached, if so
 
     def describe(self) -> str:
         """The failure as text: the remote traceback, or the exit status and last output."""
@@ -206,14 +247,32 @@ class RankOutcome:
         return f"{how}\n" + (f"its last output:\n{lines}" if lines else "it printed nothing\n")
 
 
+#: How a backend shares the ranks' hellos without the event channel: called by every rank with
+#: its own hello, returns all of them in rank order (or raises).
+Gather = Callable[[dict[str, Any]], list[dict[str, Any]]]
+
+
 class Supervisor:
-    """Supervises one rank: ``run()`` blocks until the rank is over; ``cancel()`` works anywhere."""
+    """Supervises one rank: ``run()`` blocks until the rank is over; ``cancel()`` works anywhere.
+
+    ``take`` gives a warm interpreter (the local backend's pool); ``gather`` is the backend's
+    rendezvous for when the driver's event server cannot be reached (see the module docstring).
+    """
 
     def __init__(
-        self, spec: RankSpec, take: Callable[[RankSpec], RankProcess | None] | None = None
+        self,
+        spec: RankSpec,
+        take: Callable[[RankSpec], RankProcess | None] | None = None,
+        gather: Gather | None = None,
     ) -> None:
         self.spec = spec
-        self._take = take  # where warm interpreters come from (the local backend's pool)
+        self._take = take
+        self._gather = gather
+        self._channel_error: str | None = None
+        self._gather_error: str | None = None
+        self._gathered = threading.Event()  # the fallback rendezvous ended, with a world or not
+        self._lost_lines = 0
+        self._dropped = 0
         self._rp: RankProcess | None = None
         self.modules: list[str] = []  # top-level modules the rank's code imported
         self._client: events.EventClient | None = None
@@ -221,7 +280,7 @@ class Supervisor:
         self._world_env: dict[str, str] = {}
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Proc | None = None
         self._result: bytes | None = None
         self._error: dict[str, str] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -233,6 +292,7 @@ class Supervisor:
         self._synced = {"o": 0, "e": 0}
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
+        self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -261,30 +321,49 @@ class Supervisor:
             rp.send(runtime.QUIT, b"")
 
     def _send(self, **event: Any) -> None:
-        if self._client is not None:
-            self._client.send(event)
+        client = self._client
+        if client is not None and client.send(event):
+            return
+        # Lost: without a channel, or the channel broke. Counted, so the driver can say so.
+        kind = event.get("t")
+        with self._lock:  # the pumps, the control reader and the heartbeat all send
+            if kind == "out":
+                # Whole lines, as the driver counts them (a "\r" redraw of a bar is not one).
+                self._lost_lines += str(event.get("text", "")).count("\n")
+            elif kind not in ("hb", "state"):  # the channel's own bookkeeping is no loss
+                self._dropped += 1
 
     # -- life -----------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
         spec = self.spec
+        hello = self._hello()
         try:
-            self._connect()
+            self._connect(hello)
         except OSError as exc:
-            return RankOutcome(spec.rank, "failed", error={
-                "type": "ConnectionError", "traceback": "",
-                "message": f"rank {spec.rank} on {spec.host} cannot reach the driver's event "
-                f"server at {spec.driver[0]}:{spec.driver[1]}: {exc}",
-            })
+            self._channel_error = (
+                f"rank {spec.rank} on {spec.host} cannot reach the driver's event server at "
+                f"{spec.driver[0]}:{spec.driver[1]}: {type(exc).__name__}: {exc}"
+            )
+            if self._gather is None:
+                return RankOutcome(spec.rank, "failed", channel_error=self._channel_error, error={
+                    "type": "ConnectionError", "traceback": "", "message": self._channel_error,
+                })
+            threading.Thread(
+                target=self._world_without_channel, args=(self._gather, hello), daemon=True,
+                name=f"nbdist-gather-{spec.rank}",
+            ).start()
         try:
             return self._run_rank()
         finally:
+            if self._killer is not None:
+                self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
             self._kill_group(signal.SIGKILL)
             if self._rp is not None:
                 self._rp.close()
             if self._client is not None:
                 self._client.close()
 
-    def _connect(self) -> None:
+    def _hello(self) -> dict[str, Any]:
         spec = self.spec
         hello: dict[str, Any] = {
             "host": spec.host, "pid": os.getpid(), "cpus": os.cpu_count() or 1,
@@ -292,17 +371,43 @@ class Supervisor:
         }
         if spec.rank == 0:
             hello["port"] = events.free_port()
+        return hello
+
+    def _connect(self, hello: dict[str, Any]) -> None:
+        spec = self.spec
         self._client = events.EventClient(
             spec.driver, spec.job_id, spec.rank, spec.secret, hello, self._on_message
         )
+
+    def _world_without_channel(self, gather: Gather, hello: dict[str, Any]) -> None:
+        """The rendezvous through the backend (``gather``), planned here as the driver would."""
+        spec = self.spec
+        try:
+            hellos = gather({**hello, "rank": spec.rank})
+            # spec.env: the job's --env (which wins, as on the driver) and the PYTHONPATH the
+            # backend adds, which the rank gets anyway.
+            envs = plan_world(
+                {r: Hello.from_event(r, h) for r, h in enumerate(hellos)}, spec.world_size,
+                spec.run_id or spec.job_id, spec.job_id, use_gpus=bool(spec.gpus),
+                user_env=spec.env,
+            )
+        except Exception as exc:  # the backend's own error (a Spark barrier failure, ...)
+            self._gather_error = f"{type(exc).__name__}: {exc}"
+        else:
+            self._world_env = envs[spec.rank]
+            self._world.set()
+        finally:
+            self._gathered.set()
 
     def _wait_world(self) -> bool:
         deadline = time.monotonic() + self.spec.rendezvous_timeout
         while not self._world.wait(0.1):
             client = self._client
-            if self._cancelled.is_set() or client is None or not client.alive:
+            if self._cancelled.is_set() or time.monotonic() > deadline:
                 return False
-            if time.monotonic() > deadline:
+            if client is None and self._gathered.is_set():
+                return False  # the fallback rendezvous failed
+            if client is not None and not client.alive:
                 return False
         return not self._cancelled.is_set()
 
@@ -310,10 +415,17 @@ class Supervisor:
         spec = self.spec
         if not self._wait_world():
             status = "cancelled" if self._cancelled.is_set() else "failed"
-            return RankOutcome(spec.rank, status, error=None if status == "cancelled" else {
-                "type": "TimeoutError", "traceback": "",
-                "message": f"rank {spec.rank} got no rendezvous from the driver",
-            })
+            why = f"rank {spec.rank} got no rendezvous from the driver"
+            if self._channel_error is not None:
+                why = (f"{self._channel_error}; and the rendezvous without it failed: "
+                       f"{self._gather_error or 'no answer'}")
+            return RankOutcome(
+                spec.rank, status, channel_error=self._channel_error,
+                error=None if status == "cancelled" else {
+                    "type": "TimeoutError" if self._channel_error is None else "ConnectionError",
+                    "traceback": "", "message": why,
+                },
+            )
         proc = self._spawn()
         if proc is None:
             return RankOutcome(spec.rank, "cancelled")
@@ -344,12 +456,17 @@ class Supervisor:
             outcome.status = "done"
         elif self._cancelled.is_set() and self._error is None:
             outcome.status = "cancelled"
-        client = self._client
-        outcome.dropped_events = client.dropped if client is not None else 0
         self._send(t="state", state=outcome.status, exit=code)
+        outcome.dropped_events, outcome.lost_lines = self._dropped, self._lost_lines
+        outcome.channel_error = self._channel_error
+        if outcome.channel_error is None and (self._dropped or self._lost_lines):
+            outcome.channel_error = (
+                f"rank {spec.rank} on {spec.host} lost its connection to the driver's event "
+                f"server at {spec.driver[0]}:{spec.driver[1]} while it ran"
+            )
         return outcome
 
-    def _spawn(self) -> subprocess.Popen[bytes] | None:
+    def _spawn(self) -> Proc | None:
         spec = self.spec
         world = dict(self._world_env)
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
@@ -543,9 +660,9 @@ class Supervisor:
         # its process group (setsid) can no longer be found through it.
         self._escapees = _descendants(proc.pid)
         self._kill_group(signal.SIGTERM)
-        killer = threading.Timer(TERM_GRACE_S, self._kill_group, args=(signal.SIGKILL,))
-        killer.daemon = True
-        killer.start()
+        self._killer = threading.Timer(TERM_GRACE_S, self._kill_group, args=(signal.SIGKILL,))
+        self._killer.daemon = True
+        self._killer.start()
 
     def _kill_group(self, sig: int) -> None:
         proc = self._proc
@@ -623,6 +740,6 @@ def _cut(line: str) -> str:
     return line[:MAX_LINE_CHARS] + f" [... {len(line) - MAX_LINE_CHARS} characters cut]"
 
 
-def supervise(spec: RankSpec) -> RankOutcome:
+def supervise(spec: RankSpec, gather: Gather | None = None) -> RankOutcome:
     """Run one rank to its end (what a Spark barrier task calls)."""
-    return Supervisor(spec).run()
+    return Supervisor(spec, gather=gather).run()

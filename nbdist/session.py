@@ -151,7 +151,8 @@ class Session(Job):
             self.stop()
             raise
         if self.done():
-            raise SessionError(f"session {self.id} could not start: {self.broken}")
+            why = self.broken or self._cancel_reason or "its ranks ended before they were ready"
+            raise SessionError(f"session {self.id} could not start: {why}")
 
     # -- cells --------------------------------------------------------------------------------
     def run_cell(

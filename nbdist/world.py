@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,15 @@ class Hello:
     port: int | None = None  # a free port on the host, offered by rank 0 for MASTER_PORT
     gpus: tuple[str, ...] = ()  # GPU addresses this rank may use (Spark task resources)
     cpus: int = 1  # CPUs on the host, to size OMP_NUM_THREADS
+
+    @classmethod
+    def from_event(cls, rank: int, event: Mapping[str, Any]) -> Hello:
+        """A hello as it travels (JSON on the event channel or through Spark's allGather)."""
+        port = event.get("port")
+        return cls(
+            rank=rank, host=str(event.get("host")), port=port if isinstance(port, int) else None,
+            gpus=tuple(str(g) for g in event.get("gpus") or ()), cpus=int(event.get("cpus") or 1),
+        )
 
 
 def plan_world(

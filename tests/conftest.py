@@ -1,4 +1,5 @@
-"""Shared fixtures: a real IPython shell with nbdist loaded; a guard against leaked processes."""
+"""Shared fixtures: a real IPython shell with nbdist loaded; a guard against leaked processes;
+real Spark sessions for the tests that use Spark (``tests/sparks.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ from typing import Any
 
 import psutil
 import pytest
+
+from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/faults)
+    no_leftover_spark_ranks,
+    release,
+    spark_cluster,
+    spark_local,
+    spark_mark,
+    sparks,
+    uses_spark,
+)
 
 #: How long ranks may take to disappear after a job ended (the contract says 10 s).
 GONE_WITHIN_S = 10.0
@@ -36,11 +47,20 @@ def _descendants() -> dict[int, str]:
     return out
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    release(item.session.items, nextitem)  # the tests that follow Spark's see no session
+
+
 @pytest.fixture(autouse=True)
-def no_leftover_processes() -> Iterator[None]:
+def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test, every process the test started must be gone (within the 10 s bound)."""
     from nbdist.launch.local import pool
 
+    if uses_spark(request.node):  # Spark's own processes outlive tests: its own check
+        request.getfixturevalue("no_leftover_spark_ranks")
+        yield
+        return
     before = set(_descendants())
     yield
     pool.clear()  # warm interpreters are meant to outlive a job, not a test
@@ -58,6 +78,18 @@ def no_leftover_processes() -> Iterator[None]:
     assert not left, f"processes left running after the test: {left}"
 
 
+def is_rank(proc: psutil.Process) -> bool:
+    """A rank's interpreter: started fresh (it runs nbdist.runtime), or forked by a zygote
+    (it shows the zygote's command line, and so does its parent)."""
+    from nbdist.launch.zygote import COMMAND
+
+    cmd = " ".join(proc.cmdline())
+    if "nbdist.runtime" in cmd:
+        return True
+    parent = proc.parent() if COMMAND in cmd else None
+    return parent is not None and COMMAND in " ".join(parent.cmdline())
+
+
 def rank_processes() -> list[psutil.Process]:
     """Rank interpreters started from this process, the idle warm ones excepted."""
     from nbdist.launch.local import pool
@@ -68,7 +100,7 @@ def rank_processes() -> list[psutil.Process]:
         try:
             if p.pid in warm or p.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if "nbdist.runtime" in " ".join(p.cmdline()):
+            if is_rank(p):
                 found.append(p)
         except psutil.Error:
             pass

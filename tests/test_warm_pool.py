@@ -1,8 +1,13 @@
-"""Warm interpreters: the next local job starts where its modules are already imported."""
+"""Warm ranks: a job's ranks are forked from a zygote that imported their modules once, and the
+next job, even right after, starts where they are loaded; warm interpreters where forking is
+not safe."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import psutil
@@ -16,12 +21,12 @@ from .conftest import wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
-def first_job() -> int:
+def first_job() -> dict[str, int]:
     import os
 
     import torch  # noqa: F401  (what the next job should find imported)
 
-    return os.getpid()
+    return {"pid": os.getpid(), "parent": os.getppid()}
 
 
 def second_job() -> dict[str, object]:
@@ -31,24 +36,42 @@ def second_job() -> dict[str, object]:
     preloaded = "torch" in sys.modules
     import torch
 
-    return {"pid": os.getpid(), "preloaded": preloaded, "rank": os.environ["RANK"],
-            "threads": torch.get_num_threads(), "omp": os.environ["OMP_NUM_THREADS"],
-            "usermod": "nbdist_usermod" in sys.modules}
+    return {"pid": os.getpid(), "parent": os.getppid(), "preloaded": preloaded,
+            "rank": os.environ["RANK"], "threads": torch.get_num_threads(),
+            "omp": os.environ["OMP_NUM_THREADS"], "usermod": "nbdist_usermod" in sys.modules,
+            "session": os.getsid(0)}
 
 
-def test_next_job_runs_in_warm_interpreters_with_its_own_environment() -> None:
-    """After a job that imported torch, the next one starts with torch loaded and its own env."""
+def test_ranks_are_forked_from_a_zygote_with_their_modules_and_own_environment() -> None:
+    """Each rank is a zygote's fork, in its own session, with torch loaded and its own env."""
     pytest.importorskip("torch")
     first = nbdist.run(first_job, np=2).results
-    assert local.pool.wait_ready(timeout=60)
-    warm = set(local.pool.pids())
-    assert len(warm) == 2 and not warm & set(first)
+    (zygote,) = local.pool.pids()
+    assert {r["parent"] for r in first} == {zygote}
     assert "torch" in local.pool.modules
     results = nbdist.run(second_job, np=2).results
-    assert {r["pid"] for r in results} == warm
+    assert {r["parent"] for r in results} == {zygote}
+    assert not {r["pid"] for r in results} & {r["pid"] for r in first}
     assert all(r["preloaded"] for r in results)
+    assert [r["session"] for r in results] == [r["pid"] for r in results]
     assert [r["rank"] for r in results] == ["0", "1"]
     assert all(r["threads"] == int(str(r["omp"])) for r in results)
+
+
+def test_a_run_right_after_the_last_finds_its_modules_loaded() -> None:
+    """The next run, started the moment the last ended, is forked from the same warm zygote."""
+    pytest.importorskip("torch")
+    first = nbdist.run(first_job, np=2).results
+
+    def no_imports() -> dict[str, object]:  # nothing for the zygote to import at launch
+        import os
+        import sys
+
+        return {"parent": os.getppid(), "preloaded": "torch" in sys.modules}
+
+    again = nbdist.run(no_imports, np=2).results
+    assert {r["parent"] for r in again} == {first[0]["parent"]}
+    assert all(r["preloaded"] for r in again)
 
 
 def test_user_modules_are_not_preloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,47 +92,94 @@ def test_user_modules_are_not_preloaded(tmp_path: Path, monkeypatch: pytest.Monk
     assert nbdist.run(second_job, np=1).result()["usermod"] is False
 
 
-def test_a_different_environment_gets_fresh_interpreters() -> None:
-    """A job with other --env values does not take interpreters started for another."""
-    nbdist.run(first_job, np=1).result()
+def test_a_different_environment_gets_its_own_zygote() -> None:
+    """A job with other --env values is not forked from a zygote started for another."""
+    parent = nbdist.run(first_job, np=1).result()["parent"]
+    other = nbdist.run(first_job, np=1, env={"SOMETHING": "else"}).result()["parent"]
+    assert other != parent and set(local.pool.pids()) == {parent, other}
+
+
+def test_a_zygote_that_cannot_fork_safely_gives_way_to_fresh_interpreters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed module that starts a thread at import: the ranks start fresh, and work."""
+    site = tmp_path / "site-packages"  # what counts as installed, not the user's own code
+    site.mkdir()
+    (site / "nbdist_threaded.py").write_text(
+        "import threading\nthreading.Thread(target=threading.Event().wait, daemon=True,"
+        " name='poller').start()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(site), os.environ.get("PYTHONPATH")])))
+
+    def uses_it() -> int:
+        import os
+
+        import nbdist_threaded  # noqa: F401
+
+        return os.getppid()
+
+    assert nbdist.run(uses_it, np=2).results == [os.getpid()] * 2  # started by their supervisors
+    (zygote,) = local.pool._zygotes.values()
+    assert not zygote.safe and "started threads (poller)" in zygote.why
+
+
+def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NBDIST_ZYGOTE=0: interpreters warmed after a job, with its modules, run the next one."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(local, "ZYGOTE", False)
+    first = nbdist.run(first_job, np=2).results
     assert local.pool.wait_ready(timeout=60)
     warm = set(local.pool.pids())
-    pid = nbdist.run(first_job, np=1, env={"SOMETHING": "else"}).result()
-    assert pid not in warm
+    assert len(warm) == 2 and not warm & {r["pid"] for r in first}
+    results = nbdist.run(second_job, np=2).results
+    assert {r["pid"] for r in results} == warm
+    assert all(r["preloaded"] for r in results)
+    assert [r["rank"] for r in results] == ["0", "1"]
+    assert all(r["threads"] == int(str(r["omp"])) for r in results)
 
 
-def test_idle_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Warm interpreters idle longer than the limit are killed; none are made when disabled."""
+def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zygotes and warm interpreters idle longer than the limit are killed; none when disabled."""
     monkeypatch.setattr(local, "WARM_IDLE_S", 3.0)
-    nbdist.run(first_job, np=2).result()
-    wait_for(lambda: len(local.pool.pids()) == 2, 30, "two warm interpreters")
-    warm = [psutil.Process(p) for p in local.pool.pids()]
-    assert warm
-    wait_for(lambda: not local.pool.pids(), 30, "the idle interpreters to be let go")
-    psutil.wait_procs(warm, timeout=10)
+    for zygote in (True, False):
+        monkeypatch.setattr(local, "ZYGOTE", zygote)
+        nbdist.run(first_job, np=2).result()
+        expected = 1 if zygote else 2  # one zygote, or one warm interpreter per rank
+        wait_for(lambda n=expected: len(local.pool.pids()) == n, 30, "warm processes")
+        warm = [psutil.Process(p) for p in local.pool.pids()]
+        wait_for(lambda: not local.pool.pids(), 30, "the idle processes to be let go")
+        psutil.wait_procs(warm, timeout=10)
     monkeypatch.setattr(local, "WARM_POOL", False)
     nbdist.run(first_job, np=1).result()
     assert local.pool.wait_ready(timeout=5) and not local.pool.pids()
 
 
-def test_warm_interpreters_die_with_the_driver() -> None:
-    """A driver killed with SIGKILL takes its warm interpreters with it (control pipe EOF)."""
-    import subprocess
-    import textwrap
-
-    code = textwrap.dedent("""
+def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
+    """A driver killed with SIGKILL takes its zygote and its running ranks with it."""
+    code = textwrap.dedent(f"""
+        import os, time
         import nbdist
         from nbdist.launch import local
-        nbdist.run(lambda: 1, np=2).result()
-        local.pool.wait_ready(60)
+
+        def hang():
+            import os, time
+            open({str(tmp_path)!r} + "/up" + os.environ["RANK"], "w").write(str(os.getpid()))
+            time.sleep(600)
+
+        job = nbdist.run(hang, np=2)
+        while len(os.listdir({str(tmp_path)!r})) < 2:
+            time.sleep(0.01)
         print(" ".join(map(str, local.pool.pids())), flush=True)
-        import time; time.sleep(600)
+        time.sleep(600)
     """)
     driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert driver.stdout is not None
         pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 2
+        pids += [int(p.read_text()) for p in tmp_path.glob("up*")]
+        assert len(pids) == 3  # the zygote and two ranks
         procs = [psutil.Process(p) for p in pids]
     finally:
         driver.kill()
@@ -118,3 +188,18 @@ def test_warm_interpreters_die_with_the_driver() -> None:
             driver.stdout.close()
     gone, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive
+
+
+def test_an_install_between_runs_gets_a_new_zygote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package installed after a run (site-packages changed) is not hidden by the zygote."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    parent = nbdist.run(first_job, np=1).result()["parent"]
+    assert nbdist.run(first_job, np=1).result()["parent"] == parent
+    (site / "nbdist_fresh_install.py").write_text("")  # what %pip install does to the directory
+    stat = site.stat()
+    os.utime(site, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert nbdist.run(first_job, np=1).result()["parent"] != parent

@@ -6,9 +6,12 @@ Every backend implements :class:`Launcher` and hands each rank to the same super
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ast
+import dis
+import types
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from nbdist.rank import RankOutcome
 
@@ -33,6 +36,8 @@ class LaunchRequest:
     payload: bytes
     gpu: bool
     env: dict[str, str] = field(default_factory=dict)
+    run_id: str = ""  # TORCHELASTIC_RUN_ID, for ranks that plan their world without the driver
+    modules: tuple[str, ...] = ()  # what the payload imports, known before it runs (warm-up)
     session: bool = False  # ranks of a persistent session: cells arrive over the channel
 
 
@@ -58,3 +63,59 @@ class Launcher(Protocol):
     def cancel(self) -> None:
         """Tear every rank down; outcomes still arrive through ``on_outcome``."""
         ...
+
+
+def payload_modules(payload: Mapping[str, Any]) -> tuple[str, ...]:
+    """The modules a payload imports, as far as they can be told without running it.
+
+    A backend may import them ahead, while the ranks are still being set up (the local
+    backend's zygote does). Read from the function's bytecode, the cell's or script's source
+    and the names the cell imports from the notebook; what is imported dynamically is missed,
+    which only costs that head start. Relative imports are left out.
+    """
+    found: list[str] = []
+    kind = payload.get("kind")
+    if kind == "call":
+        fn: Any = payload.get("fn")
+        while not hasattr(fn, "__code__") and hasattr(fn, "func"):  # functools.partial
+            fn = fn.func
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, types.CodeType):
+            found.extend(_code_imports(code))
+    elif kind == "cell":
+        found.extend(module for _, module, _ in payload.get("imports", ()))
+        found.extend(payload.get("submodules", ()))
+        found.extend(_source_imports(str(payload.get("source", ""))))
+    elif kind == "script":
+        try:
+            with open(str(payload.get("path")), encoding="utf-8") as f:
+                found.extend(_source_imports(f.read()))
+        except (OSError, UnicodeDecodeError):
+            pass
+    return tuple(dict.fromkeys(m for m in found if m and not m.startswith(".")))
+
+
+def _code_imports(code: types.CodeType) -> Iterator[str]:
+    consts: list[Any] = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT"):  # the latter: Python 3.14
+            consts.append(ins.argval)
+        elif ins.opname == "IMPORT_NAME":
+            # Compiled as LOAD_CONST level, LOAD_CONST fromlist, IMPORT_NAME name.
+            if len(consts) >= 2 and consts[-2] == 0:
+                yield str(ins.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # nested functions, classes, comprehensions
+            yield from _code_imports(const)
+
+
+def _source_imports(source: str) -> Iterator[str]:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module

@@ -2,7 +2,9 @@
 
 The supervisors run as threads of the driver (the kernel); each starts its rank in a new
 process group. If the kernel dies, even by SIGKILL, each rank sees its control pipe close and
-kills its own group.
+kills its own group. When the kernel's event server cannot be reached (a firewall on loopback,
+a broken socket layer), the supervisors share their hellos in memory instead (:class:`Hellos`)
+and the ranks run without live output.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from nbdist import runtime
 from nbdist.errors import CapacityError
 from nbdist.launch import Capacity, LaunchRequest
+from nbdist.launch.zygote import Zygote
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
@@ -28,6 +32,15 @@ WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
 WARM_IDLE_S = float(os.environ.get("NBDIST_WARM_IDLE_S", "600"))
 #: At most this many warm interpreters (each holds its imports in memory: torch ≈ 300 MB).
 WARM_MAX = 16
+#: Fork ranks from a zygote that imported their modules once (``NBDIST_ZYGOTE=0``: fresh
+#: interpreters for every rank, warmed after each job). Linux only: fork, SCM_RIGHTS, /proc.
+ZYGOTE = os.environ.get("NBDIST_ZYGOTE", "1") != "0" and sys.platform.startswith("linux")
+#: Zygotes kept at once, one per environment (each holds its imports: torch ≈ 300 MB).
+ZYGOTES_MAX = 2
+#: The longest a rank waits for its zygote's imports before it starts as a fresh interpreter.
+ZYGOTE_WAIT_S = 120.0
+#: The longest the other ranks wait for rank 0 to be forked first (it takes milliseconds).
+FIRST_WAIT_S = 1.0
 
 
 def visible_gpus() -> list[str]:
@@ -59,28 +72,95 @@ def _user_paths() -> str:
     return os.pathsep.join([*keep, *([old] if old else [])])
 
 
-class WarmPool:
-    """Interpreters started ahead of the next job, with the last job's modules imported.
+def _installation_stamp() -> tuple[int, ...]:
+    """When the installation last changed: ``%pip install`` touches site-packages, and what a
+    zygote or warm interpreter imported before that is not what a fresh rank would import."""
+    stamps = []
+    for entry in sys.path:
+        if "site-packages" in entry or "dist-packages" in entry:
+            try:
+                stamps.append(os.stat(entry).st_mtime_ns)
+            except OSError:
+                pass
+    return tuple(stamps)
 
-    ``import torch`` alone takes about a second; a warm interpreter has done it while the user
-    was reading the last result. An interpreter is only reused by a job with the same Python,
-    working directory and environment it was started with; the rank's own variables (RANK,
-    MASTER_PORT, ...) reach it as a frame before the payload.
+
+class WarmPool:
+    """Where the next job's ranks come from warm: a zygote per environment, else interpreters
+    started ahead with the last job's modules imported.
+
+    ``import torch`` alone takes about a second. On Linux a job's ranks are forked from a
+    zygote (``zygote.py``) that imports the payload's modules once, while the ranks meet, and
+    stays for the next job, which then starts at once, even right after the last one. Where a
+    zygote cannot fork safely (a module started threads or touched CUDA at import), or off
+    Linux, fresh interpreters are warmed after each job instead, ready a second or two later.
+    Either is only used by a job with the same Python, working directory and environment it
+    was started with; the rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame
+    before the payload.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._zygotes: dict[tuple[object, ...], Zygote] = {}
         self._idle: list[tuple[tuple[object, ...], RankProcess]] = []
         self._timer: threading.Timer | None = None
         self._filler: threading.Thread | None = None
         self._generation = 0  # bumped by clear(): a fill in flight then throws its work away
-        self.modules: list[str] = []
+        self._last: set[str] = set()  # what the last job's ranks imported
 
     @staticmethod
     def key(spec: RankSpec) -> tuple[object, ...]:
-        return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())))
+        return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())),
+                _installation_stamp())
+
+    @property
+    def modules(self) -> list[str]:
+        """Top-level modules a warm rank starts with."""
+        with self._lock:
+            names = self._last.union(*(z.modules for z in self._zygotes.values()))
+        return sorted({name.partition(".")[0] for name in names})
+
+    def _zygote(self, spec: RankSpec) -> Zygote | None:
+        with self._lock:
+            zygote = self._zygotes.get(self.key(spec))
+        return zygote if zygote is not None and zygote.alive else None
+
+    def prepare(self, template: RankSpec, modules: tuple[str, ...]) -> None:
+        """At launch: the zygote of the job's environment starts importing ``modules``."""
+        if not (WARM_POOL and ZYGOTE):
+            return
+        key = self.key(template)
+        evicted: list[Zygote] = []
+        with self._lock:
+            zygote = self._zygotes.pop(key, None)  # re-added last: the most recently used
+            if zygote is None or not zygote.alive:
+                while len(self._zygotes) >= ZYGOTES_MAX:  # the least recently used goes
+                    evicted.append(self._zygotes.pop(next(iter(self._zygotes))))
+                try:
+                    zygote = Zygote(template.python, template.env, template.cwd)
+                except OSError:
+                    zygote = None  # the ranks start as fresh interpreters
+            if zygote is not None:
+                self._zygotes[key] = zygote
+            self._arm_timer()
+        for old in evicted:
+            old.discard()
+        if zygote is not None:
+            zygote.warm(sorted(set(modules) | self._last))
+
+    def ready(self, spec: RankSpec, abort: threading.Event) -> None:
+        """Wait until the zygote of ``spec``'s environment has imported what it was asked
+        (or ``abort`` is set): the ranks are forked with their modules loaded."""
+        zygote = self._zygote(spec)
+        if zygote is not None:
+            zygote.ready(timeout=ZYGOTE_WAIT_S, abort=abort)
 
     def take(self, spec: RankSpec) -> RankProcess | None:
+        zygote = self._zygote(spec)
+        if zygote is not None:
+            forked = zygote.fork_rank()
+            if forked is not None:
+                return forked
         key = self.key(spec)
         with self._lock:
             for i, (k, rp) in enumerate(self._idle):
@@ -90,15 +170,24 @@ class WarmPool:
         return None
 
     def fill(self, template: RankSpec, n: int, modules: list[str]) -> None:
-        """Start ``n`` warm interpreters in the background (replacing the idle ones)."""
+        """After a job: what its ranks imported is made warm for the next one.
+
+        The zygote imports it too; without a zygote that can fork, ``n`` fresh interpreters
+        are started in the background (replacing the idle ones)."""
         if not WARM_POOL or n <= 0:
             return
-        self.clear()
-        self.modules = sorted(set(modules))
+        self._last = set(modules)
+        zygote = self._zygote(template)
+        if zygote is not None and zygote.safe:
+            zygote.warm(modules)
+            with self._lock:
+                self._arm_timer()
+            return
+        self._clear_idle()
         with self._lock:
             self._filler = threading.Thread(
                 target=self._start,
-                args=(template, min(n, WARM_MAX), self.modules, self._generation),
+                args=(template, min(n, WARM_MAX), sorted(self._last), self._generation),
                 name="nbdist-warm", daemon=True,
             )
             self._filler.start()
@@ -120,41 +209,92 @@ class WarmPool:
                 rp.discard()
                 return
         with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = threading.Timer(WARM_IDLE_S, self.clear)
-            self._timer.daemon = True
-            self._timer.start()
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        """(Re)start the idle countdown; called with the lock held."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(WARM_IDLE_S, self.clear)
+        self._timer.daemon = True
+        self._timer.start()
 
     def clear(self) -> None:
-        """Let every idle interpreter go (and wait until each is gone)."""
+        """Let every zygote and idle interpreter go (and wait until each is gone; a zygote
+        whose ranks still run goes when the last of them ends)."""
+        with self._lock:
+            zygotes, self._zygotes = list(self._zygotes.values()), {}
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            if timer is not threading.current_thread():
+                timer.join()
+        for zygote in zygotes:
+            zygote.discard()
+        self._clear_idle()
+
+    def _clear_idle(self) -> None:
         with self._lock:
             self._generation += 1
             idle, self._idle = self._idle, []
             filler, self._filler = self._filler, None
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
         if filler is not None and filler is not threading.current_thread():
             filler.join()
         for _, rp in idle:
             rp.discard()
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s until the interpreters being warmed have their imports."""
+        """Wait up to ``timeout`` s until the zygotes and the interpreters being warmed have
+        their imports."""
         deadline = time.monotonic() + timeout
         with self._lock:
             filler = self._filler
+            zygotes = list(self._zygotes.values())
+        ok = all(z.ready(timeout=max(0.0, deadline - time.monotonic())) or not z.alive
+                 for z in zygotes)
         if filler is not None:
-            filler.join(timeout)
+            filler.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             idle = [rp for _, rp in self._idle]
-        return all(rp.warm.wait(max(0.0, deadline - time.monotonic())) for rp in idle)
+        return ok and all(rp.warm.wait(max(0.0, deadline - time.monotonic())) for rp in idle)
 
     def pids(self) -> list[int]:
-        """Process ids of the idle warm interpreters."""
+        """Process ids of the zygotes and of the idle warm interpreters."""
         with self._lock:
-            return [rp.pid for _, rp in self._idle if rp.alive()]
+            return [z.pid for z in self._zygotes.values() if z.alive] + [
+                rp.pid for _, rp in self._idle if rp.alive()]
+
+
+class Hellos:
+    """One job's hellos, shared in memory by its supervisors: the rendezvous without a channel.
+
+    Every supervisor that cannot reach the event server calls :meth:`gather` and waits until
+    all ``np`` have; :meth:`cancel` ends the wait. A supervisor that did reach the server never
+    calls it, so a job whose ranks disagree on the channel ends at the rendezvous timeout.
+    """
+
+    def __init__(self, np: int, timeout: float) -> None:
+        self._np = np
+        self._timeout = timeout
+        self._hellos: dict[int, dict[str, Any]] = {}
+        self._cancelled = False
+        self._cond = threading.Condition()
+
+    def gather(self, hello: dict[str, Any]) -> list[dict[str, Any]]:
+        with self._cond:
+            self._hellos[int(hello["rank"])] = hello
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._cancelled or len(self._hellos) == self._np,
+                                self._timeout)
+            if len(self._hellos) < self._np:
+                missing = sorted(set(range(self._np)) - set(self._hellos))
+                raise TimeoutError(f"ranks {missing} did not join the rendezvous")
+            return [self._hellos[r] for r in range(self._np)]
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
 
 
 #: The kernel's pool of warm interpreters, filled after each local job.
@@ -174,6 +314,9 @@ class LocalLauncher:
         self._finished = 0
         self._np = 0
         self._warm_after = True
+        self._hellos: Hellos | None = None
+        self._stop = threading.Event()  # set by cancel(): ranks still waiting to start give up
+        self._first = threading.Event()  # rank 0 has its process (or never will)
         self._on_outcome: Callable[[RankOutcome], None] = lambda outcome: None
 
     def driver_host(self) -> str:
@@ -206,20 +349,44 @@ class LocalLauncher:
         if not env["PYTHONPATH"]:
             del env["PYTHONPATH"]
         cwd = os.getcwd()
-        for rank in range(request.np):
-            spec = RankSpec(
+        hellos = self._hellos = Hellos(request.np, RankSpec.rendezvous_timeout)
+        specs = [
+            RankSpec(
                 rank=rank, world_size=request.np, job_id=request.job_id, secret=request.secret,
                 driver=request.driver, payload=request.payload, host="127.0.0.1", cwd=cwd,
-                gpus=(gpus[rank],) if gpus else (), env=env, session=request.session,
+                gpus=(gpus[rank],) if gpus else (), env=env, run_id=request.run_id,
+                session=request.session,
             )
-            sup = Supervisor(spec, take=pool.take)
+            for rank in range(request.np)
+        ]
+        # The zygote imports while the ranks meet; each rank waits for it before its
+        # supervisor starts (outside the supervisor, so a cancel is never held up by it).
+        pool.prepare(specs[0], request.modules)
+        for spec in specs:
+            sup = Supervisor(spec, take=self._take, gather=hellos.gather)
             with self._lock:
                 self._supervisors.append(sup)
                 if self._cancelled:
                     sup.cancel()
             threading.Thread(
-                target=_run, args=(sup, self._done), name=f"nbdist-rank-{rank}", daemon=True
+                target=_run, args=(sup, self._done, self._stop),
+                name=f"nbdist-rank-{spec.rank}", daemon=True,
             ).start()
+
+    def _take(self, spec: RankSpec) -> RankProcess | None:
+        """A warm rank from the pool, rank 0 first.
+
+        torch's TCPStore client, in every rank but 0, backs off about half a second when it
+        finds rank 0's server not listening yet; forks one after another would often start
+        rank 1 first. Rank 0 starts first, the others within ``FIRST_WAIT_S`` after.
+        """
+        if spec.rank != 0:
+            self._first.wait(FIRST_WAIT_S)
+        try:
+            return pool.take(spec)
+        finally:
+            if spec.rank == 0:
+                self._first.set()
 
     def _done(self, outcome: RankOutcome) -> None:
         """Pass the outcome on; after the last rank, warm interpreters for the next job."""
@@ -233,15 +400,22 @@ class LocalLauncher:
         self._on_outcome(outcome)
 
     def cancel(self) -> None:
+        self._stop.set()
+        self._first.set()
         with self._lock:
             self._cancelled = True
             sups = list(self._supervisors)
+            hellos = self._hellos
         for sup in sups:
             sup.cancel()
+        if hellos is not None:
+            hellos.cancel()
 
 
-def _run(sup: Supervisor, on_outcome: Callable[[RankOutcome], None]) -> None:
+def _run(sup: Supervisor, on_outcome: Callable[[RankOutcome], None],
+         stop: threading.Event) -> None:
     try:
+        pool.ready(sup.spec, abort=stop)
         outcome = sup.run()
     except BaseException as exc:  # a bug in nbdist must still end the job, not hang it
         outcome = RankOutcome(sup.spec.rank, "failed", error={

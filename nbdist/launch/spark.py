@@ -6,7 +6,9 @@ stage's ``collect()`` into one :class:`~nbdist.rank.RankOutcome` per rank. The t
 (:func:`run_task`) works out the rank, its host and its GPUs from ``BarrierTaskContext``
 (``partitionId()``, ``getTaskInfos()`` and ``resources()`` cost nothing) and calls the same
 supervisor as the local backend. Ports and host grouping are agreed over nbdist's own event
-channel, never with ``barrier()``/``allGather()``, which cost about a second each.
+channel, not with ``barrier()``/``allGather()``, which cost about a second each; only when the
+executors cannot reach the driver's event server do the ranks fall back to one ``allGather``
+of their hellos, run without live output, and return their results through ``collect()``.
 
 Stopping: the job tells every supervisor to stop its rank, and only tasks that have not ended
 after ``CANCEL_GRACE_S`` are cancelled through this job's Spark job group. When a task's Python
@@ -441,7 +443,7 @@ def _spark_reason(error: BaseException) -> tuple[str, str]:
 def _barrier_task(request: LaunchRequest, version: str) -> _Task:
     """The function each barrier task runs; pickled by value, so it holds plain values only."""
     job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
-    payload, gpu, env = request.payload, request.gpu, dict(request.env)
+    payload, gpu, env, run_id = request.payload, request.gpu, dict(request.env), request.run_id
     session = request.session
 
     def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
@@ -465,16 +467,19 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
             }}
             return
         yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
-                             session)
+                             run_id, session)
 
     return nbdist_rank
 
 
 def run_task(
     ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
-    payload: bytes, gpu: bool, env: dict[str, str], version: str, session: bool = False,
+    payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
+    session: bool = False,
 ) -> _Fields:
     """Run one rank inside its barrier task with the shared supervisor; its outcome as fields."""
+    import json
+
     import nbdist
     from nbdist.rank import RankSpec, supervise
 
@@ -490,10 +495,16 @@ def run_task(
     spec = RankSpec(
         rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
         host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
-        python=sys.executable, session=session,
+        python=sys.executable, run_id=run_id, session=session,
     )
+
+    def gather(hello: dict[str, Any]) -> list[dict[str, Any]]:
+        # Only when the event server is out of reach: about a second, and every task takes
+        # part (they all fail to reach the same driver address).
+        return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
+
     try:
-        outcome = supervise(spec)
+        outcome = supervise(spec, gather)
     except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
         outcome = RankOutcome(rank, "failed", error={
             "type": type(exc).__name__, "traceback": traceback.format_exc(),

@@ -20,7 +20,6 @@ from nbdist import job as jobs
 from nbdist import state
 
 from ..conftest import GONE_WITHIN_S, wait_for
-from .conftest import spark_job_ids
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -96,21 +95,11 @@ def test_negative_np_runs_local_ranks_even_with_spark_active(spark_local: SparkS
     """``-np -2`` means local ranks on the driver whatever session is active (HorovodRunner)."""
     job = nbdist.run(_parent(), np=-2)
     assert job.state.backend == "local"
-    assert job.results == [os.getpid()] * 2  # supervised by this process, not by Spark
+    # Started by this process (or forked by its zygote), not by Spark's Python workers.
+    assert {r if r == os.getpid() else psutil.Process(r).ppid() for r in job.results} == {
+        os.getpid()}
     with pytest.raises(ValueError, match="-np -N means local ranks"):
         nbdist.run(_parent(), np=-2, backend="spark")
-
-
-def test_too_many_ranks_fail_before_any_spark_job(spark_local: SparkSession) -> None:
-    """Three ranks on two slots are refused with the numbers, and no Spark job is submitted."""
-    before = spark_job_ids(spark_local, "nbdist-test-probe-1")
-    with pytest.raises(nbdist.CapacityError) as info:
-        nbdist.run(_parent(), np=3)
-    assert spark_job_ids(spark_local, "nbdist-test-probe-2") == before + 1
-    message = str(info.value)
-    assert "asked for 3 ranks" in message and "only 2 barrier tasks at once" in message
-    assert "limited by CPU cores: 1 executor with 2 cores in all, spark.task.cpus=1" in message
-    assert "-np 2 or fewer" in message and "-np -3 for 3 local ranks" in message
 
 
 def test_gpu_without_a_gpu_task_resource_names_the_settings(spark_local: SparkSession) -> None:
@@ -232,29 +221,6 @@ def test_cancel_stops_only_this_job_and_every_rank(
     (tmp_path / "gate").touch()
     other.thread.join(60)
     assert other.error is None and other.result == [42]
-
-
-def test_killed_spark_worker_leaves_no_rank_process(spark_local: SparkSession) -> None:
-    """SIGKILL to a rank's Spark Python worker fails the job and no rank process survives."""
-
-    def hang() -> None:
-        import time
-
-        print("up", flush=True)
-        time.sleep(600)
-
-    job = nbdist.run(hang, np=2)
-    wait_for(lambda: all(r.last_line == "up" for r in job.state.ranks), 120, "ranks up")
-    pids = [r.pid for r in job.state.ranks]
-    worker = psutil.Process(pids[0]).parent()
-    assert worker is not None and "pyspark" in " ".join(worker.cmdline())
-    worker.kill()  # what an OOM killer or a lost executor does to the task
-    with pytest.raises(nbdist.DistributedError) as info:
-        job.result(timeout=120)
-    assert "rank 0 of 2 failed" in str(info.value)
-    assert "Python worker exited unexpectedly" in info.value.failures[0]
-    wait_for(lambda: not any(_alive(pid) for pid in pids), GONE_WITHIN_S,
-             "both rank processes to end")
 
 
 def test_executors_without_nbdist_get_a_clear_error(

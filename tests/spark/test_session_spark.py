@@ -13,7 +13,7 @@ from nbdist import session as sessions
 from nbdist.errors import DistributedError
 
 from ..conftest import GONE_WITHIN_S, run
-from .conftest import marked_rank_processes
+from ..sparks import marked_rank_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -11,7 +11,7 @@ from pyspark.sql import SparkSession
 import nbdist
 from nbdist import state
 
-from .conftest import WORKERS, spark_job_ids
+from ..sparks import WORKERS, spark_job_ids
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,13 +1,19 @@
-"""Real Spark for the Spark backend's tests: a ``local[2]`` session and a standalone cluster.
+"""Real Spark for the tests of the Spark backend (``tests/spark``, ``tests/faults``).
 
 A JVM runs one SparkContext at a time, so :class:`Sparks` hands out one session at a time:
 ``local()`` gives a ``local[2]`` session, ``standalone()`` a session on a standalone cluster
 started from pyspark's own ``bin/spark-class`` (a master and two workers with three cores and
 two fake GPUs each, on loopback addresses only: the second worker on 127.0.0.2 so that the
 ranks really are on two hosts). Asking for one kind stops the other; each test module uses one
-kind, so there is at most one switch per module. When any selected test needs the cluster,
-its processes start with the package, so it comes up while the local-session tests run.
-Everything is stopped after the package's last test: the tests that follow see no session.
+kind, so there is at most one switch per module.
+
+The fixtures are registered by ``tests/conftest.py``, so every test directory shares one
+session (it takes seconds to start). When any selected test needs the cluster, its processes
+start with the first Spark test, so it comes up while the local-session tests run. The session
+is stopped as soon as the next test does not use Spark (:func:`release`): the tests that
+follow see no active session, which would send their jobs to Spark.
+
+pyspark is imported only when a Spark fixture is used: this module is imported by every run.
 """
 
 from __future__ import annotations
@@ -21,18 +27,17 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-import pyspark
 import pytest
-from pyspark.sql import SparkSession
 
 from nbdist.events import free_port
-from nbdist.launch.spark import read_cluster
 
-from ..conftest import GONE_WITHIN_S
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 #: Environment variable that marks every process started by this test session, so that rank
 #: interpreters are found even after they lost their parent (the case the tests provoke).
@@ -53,15 +58,14 @@ _COMMON_CONF = {
 
 def marked_rank_processes(mark: str) -> list[psutil.Process]:
     """Rank interpreters (and what they started) of this test session, anywhere on the machine."""
+    from .conftest import is_rank
+
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter():
         try:
-            cmd = " ".join(proc.info["cmdline"] or ())
             if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get(MARK) != mark:
                 continue
-            if "nbdist.runtime" in cmd or any(
-                "nbdist.runtime" in " ".join(p.cmdline()) for p in proc.parents()
-            ):
+            if is_rank(proc) or any(is_rank(p) for p in proc.parents()):
                 found.append(proc)
         except psutil.Error:
             pass
@@ -73,6 +77,8 @@ class Cluster:
 
     def __init__(self, workdir: Path, env: dict[str, str]) -> None:
         self.workdir = workdir
+        import pyspark
+
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         home = os.path.dirname(pyspark.__file__)
         self._spark_class = os.path.join(home, "bin", "spark-class")
@@ -173,6 +179,8 @@ class Sparks:
     def _get(self, kind: str) -> SparkSession:
         if self.kind == kind and self.session is not None:
             return self.session
+        from pyspark.sql import SparkSession
+
         self.stop_session()
         builder = SparkSession.builder.appName(f"nbdist-tests-{kind}")
         for key, value in _COMMON_CONF.items():
@@ -219,6 +227,8 @@ class Sparks:
 
 
 def _wait_executors(session: SparkSession, n: int) -> None:
+    from nbdist.launch.spark import read_cluster
+
     deadline = time.monotonic() + CLUSTER_START_S
     while read_cluster(session.sparkContext).executors < n:
         if time.monotonic() > deadline:
@@ -226,7 +236,28 @@ def _wait_executors(session: SparkSession, n: int) -> None:
         time.sleep(0.1)  # executors register on their own schedule
 
 
-@pytest.fixture(scope="package")
+#: The fixtures that give a test Spark; a test using none of them needs no session.
+SPARK_FIXTURES = frozenset({"spark_mark", "sparks", "spark_local", "spark_cluster"})
+_manager: Sparks | None = None
+
+
+def uses_spark(item: pytest.Item, fixtures: frozenset[str] = SPARK_FIXTURES) -> bool:
+    return bool(fixtures & set(getattr(item, "fixturenames", ())))
+
+
+def release(items: Sequence[pytest.Item], nextitem: pytest.Item | None) -> None:
+    """After a test: stop the session if the next test does not use Spark, and the cluster too
+    if no test left does (called from ``pytest_runtest_teardown``)."""
+    if _manager is None or nextitem is None or uses_spark(nextitem):
+        return
+    rest = items[items.index(nextitem):] if nextitem in items else []
+    if any(uses_spark(item, frozenset({"spark_cluster"})) for item in rest):
+        _manager.stop_session()
+    else:
+        _manager.stop()
+
+
+@pytest.fixture(scope="session")
 def spark_mark() -> Iterator[str]:
     """The environment every Spark process of these tests inherits (set before the JVM starts)."""
     mark = uuid.uuid4().hex
@@ -247,43 +278,48 @@ def spark_mark() -> Iterator[str]:
             os.environ[key] = value
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def sparks(
     spark_mark: str, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Sparks]:
-    """The package's Spark sessions and standalone cluster, all stopped after its last test."""
+    """The run's Spark sessions and standalone cluster (stopped early by :func:`release`)."""
+    global _manager
     if shutil.which("java") is None:
         pytest.fail("the Spark tests need Java 17 (apt-get install openjdk-17-jre-headless)")
     sigint = signal.getsignal(signal.SIGINT)  # a SparkContext installs its own handler
-    manager = Sparks(tmp_path_factory.mktemp("spark"), dict(os.environ))
-    if any("spark_cluster" in item.fixturenames for item in request.session.items):
+    manager = _manager = Sparks(tmp_path_factory.mktemp("spark"), dict(os.environ))
+    if any(uses_spark(item, frozenset({"spark_cluster"})) for item in request.session.items):
         manager.launch_cluster()  # it comes up while the local-session tests run
     yield manager
     manager.stop()
+    _manager = None
     signal.signal(signal.SIGINT, sigint)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def spark_local(sparks: Sparks) -> SparkSession:
-    """A ``local[2]`` session: two task slots, no GPUs."""
+    """A ``local[2]`` session: two task slots, no GPUs (the same one while tests use it)."""
     return sparks.local()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def spark_cluster(sparks: Sparks) -> SparkSession:
     """A session on the standalone cluster: 2 executors × (3 cores, 2 fake GPUs), 4 slots."""
     return sparks.standalone()
 
 
-@pytest.fixture(autouse=True)
-def no_leftover_processes(spark_mark: str) -> Iterator[None]:
-    """After each Spark test, no rank interpreter of this session is left anywhere (10 s).
+@pytest.fixture
+def no_leftover_spark_ranks(spark_mark: str) -> Iterator[None]:
+    """After a Spark test, no rank interpreter of this run is left anywhere (10 s).
 
-    Replaces the suite-wide guard: Spark's own processes (the JVM, its Python daemon and
-    reused workers) rightly outlive a test, and a rank whose Spark worker was killed is no
-    longer a descendant of the test process, so ranks are found by the mark they inherit.
+    What ``no_leftover_processes`` checks for tests that use Spark: Spark's own processes (the
+    JVM, its Python daemon and reused workers) rightly outlive a test, and a rank whose Spark
+    worker was killed is no longer a descendant of the test process, so ranks are found by
+    the mark they inherit.
     """
     from nbdist.launch.local import pool
+
+    from .conftest import GONE_WITHIN_S
 
     yield
     pool.clear()  # warm local interpreters are meant to outlive a job, not a test

@@ -1,0 +1,386 @@
+"""The zygote: one interpreter that imports a job's modules once and forks the job's ranks.
+
+``import torch`` costs about a second of CPU per interpreter. Fresh interpreters pay it for
+every rank of every run, and interpreters warmed after a run are only ready a second or two
+later: a run started right after the previous one gained nothing (measured 1.03×). A zygote
+pays it once. The local backend starts one when a job is launched, asks it to import what the
+payload imports (``payload_modules``) while the ranks meet, forks each rank from it in a few
+milliseconds, and keeps it for the next run, which then starts at once.
+
+What is forked is never the kernel, and never anything that ran the user's code: the zygote
+is a fresh interpreter that only imports installed packages (not the user's own modules, which
+may be edited before the next run). It forks only while that is safe: a single Python thread
+and no CUDA driver loaded (a library that touched CUDA at import would leave the forked ranks
+unable to use it). Otherwise it says why, and the pool starts fresh interpreters instead. A
+forked rank starts as a fresh one would: in a session of its own, with its own stdout, stderr
+and control pipes (passed over the zygote's socket with SCM_RIGHTS), default signal handlers
+and its own random state (Python's ``random`` reseeds itself in a fork).
+
+The driver talks to the zygote over a ``SOCK_SEQPACKET`` socket pair, one JSON object per
+packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready``;
+``{"t": "fork"}`` with four descriptors, answered by ``forked`` with the pid. Zygote → driver:
+``{"t": "exit", "pid": P, "code": C}`` for each rank that ended (the zygote is their parent and
+reaps them). End of file on the socket means the driver is gone: the zygote exits, and its
+ranks, whose control pipes close with the driver, stop themselves.
+
+Linux only (fork, SCM_RIGHTS, /proc). The zygote side imports only the standard library and
+nbdist's rank runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import IO, Any
+
+from nbdist.rank import RankProcess, new_sync_marker
+
+#: How the zygote is started; the ranks it forks show the same command line.
+COMMAND = "from nbdist.launch.zygote import main; main()"
+#: How long a fork may take before the rank is started fresh instead (it takes milliseconds).
+FORK_TIMEOUT_S = 10.0
+_PACKET = 1 << 16
+
+
+class Forked:
+    """A rank forked by a zygote, as the supervisor sees it: the parts of ``Popen`` it uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout: IO[bytes] | None = None
+        self.stderr: IO[bytes] | None = None
+        self._ended = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def _end(self, code: int) -> None:
+        self.returncode = code
+        self._ended.set()
+
+
+class Zygote:
+    """The driver's handle on one zygote (one Python, working directory and environment)."""
+
+    def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        full = {**os.environ, **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno())}
+        full.setdefault("PYTHONIOENCODING", "utf-8")
+        try:
+            # Its own output goes nowhere: the ranks it forks get pipes of their own.
+            self.proc = subprocess.Popen(
+                [python, "-c", COMMAND], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), start_new_session=True,
+                env=full, cwd=cwd,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = ours
+        # One request at a time (answers come in order); fork_rank holds it over its answer.
+        self._send_lock = threading.RLock()
+        self._forks: queue.Queue[int | None] = queue.Queue()
+        self._ranks: dict[int, Forked] = {}
+        self._cond = threading.Condition()
+        self._asked = self._answered = 0
+        self._retiring = False
+        self.alive = True
+        #: Modules imported so far; whether forking is safe, and if not, why.
+        self.modules: set[str] = set()
+        self.safe = True
+        self.why = ""
+        threading.Thread(target=self._read, name="nbdist-zygote", daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    # -- requests ------------------------------------------------------------------------------
+    def warm(self, modules: list[str] | tuple[str, ...]) -> None:
+        """Import ``modules`` (those not imported yet) in the background."""
+        new = sorted(set(modules) - self.modules)
+        if not new and self._asked:
+            return
+        with self._cond:
+            self._asked += 1
+        if not self._send({"t": "warm", "modules": new}):
+            with self._cond:
+                self._asked -= 1
+
+    def ready(self, timeout: float | None = None, abort: threading.Event | None = None) -> bool:
+        """Wait until every import asked for is done (or ``abort`` is set); True if ranks can
+        be forked now."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.alive and self._answered < self._asked:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (abort is not None and abort.is_set()) or (left is not None and left <= 0):
+                    break
+                # A short wait, not one until notified: ``abort`` is set from other threads.
+                self._cond.wait(0.1 if left is None else min(0.1, left))
+            return self.alive and self._answered >= self._asked and self.safe
+
+    def fork_rank(self) -> RankProcess | None:
+        """A new rank forked from the zygote, or None if it cannot fork now."""
+        if not self.ready(timeout=0):
+            return None
+        ctl_in_r, ctl_in_w = os.pipe()
+        ctl_out_r, ctl_out_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        theirs = [ctl_in_r, ctl_out_w, out_w, err_w]
+        sync = new_sync_marker()
+        try:
+            with self._send_lock:
+                sent = self._send({"t": "fork", "sync": sync}, theirs)
+                try:
+                    pid = self._forks.get(timeout=FORK_TIMEOUT_S) if sent else None
+                except queue.Empty:  # its answer could pair with the next request: retire it
+                    pid = None
+                    with self._cond:
+                        self.safe, self.why = False, "a fork did not answer in time"
+                    self.discard()
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        with self._cond:
+            proc = self._ranks.get(pid) if pid is not None else None
+        if proc is None:
+            for fd in (ctl_in_w, ctl_out_r, out_r, err_r):
+                os.close(fd)
+            return None
+        proc.stdout, proc.stderr = open(out_r, "rb"), open(err_r, "rb")
+        return RankProcess.attach(proc, ctl_in_w, ctl_out_r, sync)
+
+    def discard(self) -> None:
+        """Let the zygote go: now if no rank of it is running, else once the last one ended."""
+        with self._cond:
+            self._retiring = True
+            running = any(p.returncode is None for p in self._ranks.values())
+        if not running:
+            self._kill()
+
+    def running(self) -> int:
+        with self._cond:
+            return sum(p.returncode is None for p in self._ranks.values())
+
+    # -- the connection ------------------------------------------------------------------------
+    def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> bool:
+        try:
+            with self._send_lock:
+                socket.send_fds(self._sock, [json.dumps(msg).encode()], fds or [])
+        except OSError:
+            return False
+        return True
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(_PACKET)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            try:
+                msg = json.loads(data)
+            except ValueError:  # not from our zygote's code: stop trusting it
+                break
+            kind = msg.get("t") if isinstance(msg, dict) else None
+            if kind == "forked":
+                pid = msg.get("pid")
+                if isinstance(pid, int):
+                    with self._cond:
+                        self._ranks[pid] = Forked(pid)
+                self._forks.put(pid if isinstance(pid, int) else None)
+            elif kind == "exit":
+                self._exited(int(msg["pid"]), int(msg["code"]))
+            elif kind == "ready":
+                with self._cond:
+                    self.modules.update(msg.get("modules", ()))
+                    self.safe, self.why = bool(msg.get("safe")), str(msg.get("why", ""))
+                    self._answered += 1
+                    self._cond.notify_all()
+        self._lost()
+
+    def _exited(self, pid: int, code: int) -> None:
+        with self._cond:
+            proc = self._ranks.pop(pid, None)
+            last = self._retiring and not any(
+                p.returncode is None for p in self._ranks.values() if p is not proc)
+        if proc is not None:
+            proc._end(code)
+        if last:
+            self._kill()
+
+    def _lost(self) -> None:
+        """The zygote is gone: its ranks' exit codes would be lost with it, so they are stopped."""
+        with self._cond:
+            self.alive = False
+            orphans = [p for p in self._ranks.values() if p.returncode is None]
+            self._ranks.clear()
+            self._cond.notify_all()
+        self._forks.put(None)
+        for proc in orphans:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc._end(-signal.SIGKILL)
+        self._sock.close()
+        self._kill()  # dead already, unless it spoke garbage
+
+    def _kill(self) -> None:
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+# -- the zygote's side ----------------------------------------------------------------------------
+def main() -> None:
+    sock = socket.socket(fileno=int(os.environ.pop("NBDIST_ZYGOTE_FD")))
+    import nbdist.runtime  # noqa: F401  (what every rank runs, loaded once here)
+
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select below
+    safe, why = _fork_safety()
+    while True:
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        if wake_r in readable:
+            try:
+                while os.read(wake_r, 512):  # the signals' bytes: only the wake-up matters
+                    pass
+            except BlockingIOError:
+                pass
+            _reap(sock)
+        if sock.fileno() not in readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, _PACKET, 4)
+        if not data:
+            os._exit(0)  # the driver is gone
+        msg = json.loads(data)
+        if msg.get("t") == "warm":
+            imported = _import(msg.get("modules", []))
+            safe, why = _fork_safety()
+            sock.send(json.dumps({"t": "ready", "modules": imported, "safe": safe,
+                                  "why": why}).encode())
+        elif msg.get("t") == "fork":
+            ok = safe and len(fds) == 4
+            pid = _fork(fds, sock, (wake_r, wake_w), str(msg.get("sync", ""))) if ok else None
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"t": "forked", "pid": pid}).encode())
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        sock.send(json.dumps({"t": "exit", "pid": pid, "code": code}).encode())
+
+
+def _installed(name: str) -> bool:
+    """True for a package of the installation (site-packages, the standard library), not one
+    of the user's (on the working directory or PYTHONPATH), which may be edited between runs."""
+    top = name.partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if spec.origin in ("built-in", "frozen"):
+        return True
+    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    paths = [p for p in (spec.origin, *(spec.submodule_search_locations or ())) if p]
+    return bool(paths) and all(
+        p.startswith(roots) or "site-packages" in p or "dist-packages" in p for p in paths
+    )
+
+
+def _import(modules: list[str]) -> list[str]:
+    done = []
+    for name in modules:
+        if not _installed(name):
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException:  # anything a module does at import must not end the zygote
+            continue
+        done.append(name)
+    return done
+
+
+def _fork_safety() -> tuple[bool, str]:
+    """Whether a fork now gives a child that works as a fresh interpreter would; why not."""
+    if threading.active_count() > 1:
+        names = ", ".join(t.name for t in threading.enumerate()
+                          if t is not threading.current_thread())
+        return False, f"an imported module started threads ({names})"
+    try:
+        with open("/proc/self/maps") as maps:
+            if any("libcuda.so" in line for line in maps):
+                return False, "an imported module initialised CUDA"
+    except OSError:
+        pass
+    return True, ""
+
+
+def _fork(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        _become_rank(fds, sock, wake, sync)
+    except BaseException:
+        traceback.print_exc()  # on the rank's stderr if it got that far: its supervisor shows it
+    os._exit(70)  # EX_SOFTWARE: the rank runtime could not start (it leaves by os._exit)
+
+
+def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> None:
+    """In the forked child: shed the zygote's state, take the rank's pipes, run the rank."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    sock.close()
+    for fd in wake:
+        os.close(fd)
+    os.setsid()
+    ctl_in, ctl_out, out, err = fds
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    os.environ["NBDIST_CTL_IN"], os.environ["NBDIST_CTL_OUT"] = str(ctl_in), str(ctl_out)
+    os.environ["NBDIST_SYNC"] = sync
+    from nbdist.runtime import main as run_rank
+
+    run_rank()
