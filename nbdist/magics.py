@@ -168,6 +168,8 @@ class DistMagics(Magics):
         kernel's session (%dist_session), which keep their variables between cells.
         """
         live = sessions.current()
+        if live is not None and not live.alive and live.broken is None:
+            live = None  # stopped on purpose: as if there were none (a broken one says why)
         opts = parse_options(parse_argstring(self.distributed, line), session=live is not None)
         on = live if opts.np is None else None
         if on is not None:

@@ -36,6 +36,18 @@ def ip() -> Iterator[object]:
     yield shell
 
 
+@pytest.fixture
+def no_session() -> Iterator[None]:
+    """The test leaves no ``%dist_session`` behind (stopped, and forgotten by the kernel)."""
+    from nbdist import session as sessions
+
+    yield
+    live = sessions.current()
+    if live is not None and live.alive:
+        live.stop()
+    sessions._current = None
+
+
 def _descendants() -> dict[int, str]:
     out = {}
     for p in psutil.Process(os.getpid()).children(recursive=True):

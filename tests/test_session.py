@@ -13,6 +13,8 @@ from nbdist.errors import DistributedError
 
 from .conftest import GONE_WITHIN_S, rank_processes, run
 
+pytestmark = pytest.mark.usefixtures("no_session")
+
 
 @pytest.fixture
 def live(ip: Any) -> Iterator[sessions.Session]:
@@ -153,7 +155,9 @@ def test_show_and_stop_leave_nothing_running(ip: Any) -> None:
     assert len(rank_processes()) == 2
     run(ip, "%dist_session stop")
     assert not rank_processes()
-    with pytest.raises(sessions.SessionError, match="was stopped"):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="needs -np N.*%dist_session start"):
         run(ip, "%%distributed\n1")
     assert run(ip, "%%distributed -np -1 --quiet\n41 + 1") == 42
 

@@ -15,7 +15,8 @@ from nbdist.errors import DistributedError
 from ..conftest import GONE_WITHIN_S, run
 from ..sparks import marked_rank_processes
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.usefixtures("no_session")]
 
 
 @pytest.fixture
