@@ -34,7 +34,7 @@ from nbdist.state import LOG_LINES, JobState
 ROOT = Path(__file__).resolve().parent.parent
 
 CLIENTS = textwrap.dedent("""
-    import json, sys, time
+    import json, sys, threading, time
     from nbdist import events, rank
     host, port, job, secret, ranks, rate, seconds = sys.argv[1:8]
     ranks, rate, seconds = int(ranks), float(rate), float(seconds)
@@ -60,8 +60,11 @@ CLIENTS = textwrap.dedent("""
         sent += len(clients)
         i += 1
         time.sleep(max(0.0, start + i / rate - time.monotonic()))
-    for c in clients:
-        c.close()
+    closing = [threading.Thread(target=c.close) for c in clients]  # as ranks end: together
+    for t in closing:
+        t.start()
+    for t in closing:
+        t.join()
     print(json.dumps({"sent": sent, "dropped": sum(c.dropped for c in clients),
                       "last": last}), flush=True)
 """)

@@ -469,7 +469,13 @@ class EventClient:
             self._cond.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Send what is queued (waiting at most ``timeout``), then disconnect."""
+        """Send what is queued, then disconnect once the driver has read it all.
+
+        Waits at most ``timeout`` for each: the queue to go out, then the driver to close its
+        end. Closing ours first while the driver may still write to us (a ``cancel``, a
+        ``pace``) would make our kernel answer with a reset, and a reset makes the driver's
+        kernel throw away what it has not read yet: the rank's last lines.
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -478,12 +484,17 @@ class EventClient:
             self.alive = False
             self._cond.notify_all()
         try:
+            self._sock.shutdown(socket.SHUT_WR)  # the end of our writes, after the last one
+        except OSError:
+            pass
+        self._thread.join(timeout)  # the reader ends when the driver closes its end
+        try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sender.join(2)
+        self._thread.join(2)
         self._sock.close()
-        self._thread.join(timeout=2)
         # The reader holds its own reference to the socket's fd: closing the socket alone
         # would leak one descriptor per connection.
         self._reader.close()

@@ -29,6 +29,7 @@ PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (
     "pending", "starting", "running", "done", "failed", "cancelled"
 )
 FINAL = frozenset({DONE, FAILED, CANCELLED})
+_ORDER = {PENDING: 0, STARTING: 1, RUNNING: 2, DONE: 3, FAILED: 3, CANCELLED: 3}
 
 
 class Line(NamedTuple):
@@ -138,9 +139,11 @@ class JobState:
             r.pid = event["pid"]
         if event.get("host"):
             r.host = event["host"]
-        if new in (STARTING, RUNNING, DONE, FAILED, CANCELLED) and r.state not in FINAL:
+        if new in _ORDER and _ORDER[new] > _ORDER[r.state]:
+            # Only forward: "running" comes from the rank's interpreter and "starting" from its
+            # supervisor, on two threads, so a warm interpreter's "running" may come first.
             r.state = str(new)
-            if new == STARTING:
+            if new in (STARTING, RUNNING) and r.started is None:
                 r.started = time.time()
             if new in FINAL:
                 r.ended = time.time()

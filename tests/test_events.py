@@ -61,6 +61,31 @@ def test_authenticated_client_round_trip(server: events.EventServer) -> None:
     client.close()
 
 
+def test_the_last_output_arrives_when_the_driver_writes_during_the_close(
+    server: events.EventServer,
+) -> None:
+    """Messages from the driver while a client closes do not cost the rank its last lines."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    wait_for(lambda: rec.connected, 10, "the hello")
+    chunk = ("x" * 999 + "\n") * 100
+    for _ in range(100):  # 10 MB: still being read by the server when the client closes
+        client.send({"t": "out", "s": "o", "text": chunk})
+    closer = threading.Thread(target=client.close)
+    closer.start()
+    while closer.is_alive():  # what the driver says meanwhile (a cancel, a new pace)
+        server.send("j1", 0, {"t": "pace", "every": 0.01})
+    closer.join()
+
+    def lines() -> int:
+        with rec.lock:
+            return sum(str(e["text"]).count("\n") for _, e in rec.events)
+
+    wait_for(lambda: lines() == 10_000, 10, "every line")
+    assert client.dropped == 0
+
+
 def test_lazy_events_are_coalesced_and_close_sends_them(server: events.EventServer) -> None:
     """Progress keeps the latest update per bar, metrics merge, heartbeats fold; none is lost."""
     rec, secret = Recorder(), events.new_secret()

@@ -86,3 +86,15 @@ def test_a_rank_not_heard_of_for_three_heartbeats_is_silent() -> None:
     job.apply(1, {"t": "hb"})
     assert job.silent_ranks(now=later) == [0]
     assert not job.ranks[3].silent(now=later + 1000)
+
+
+def test_rank_states_only_move_forward() -> None:
+    """A 'starting' arriving after 'running' (sent by two threads) leaves the rank running."""
+    job = JobState("j", "local", 1)
+    job.apply(0, {"t": "state", "state": "running"})
+    job.apply(0, {"t": "state", "state": "starting", "pid": 42, "host": "h"})
+    r = job.ranks[0]
+    assert r.state == state.RUNNING and r.pid == 42 and r.started is not None
+    job.apply(0, {"t": "state", "state": "done", "exit": 0})
+    job.apply(0, {"t": "state", "state": "running"})
+    assert r.state == state.DONE and r.exit_code == 0
