@@ -7,7 +7,10 @@ every step; its time per step is measured inside each rank, so launch time is no
 - **bare** (baseline): the same function in ``--np`` plain ``python -c`` processes started
   together, stdout and stderr going to a file, as a bare launcher would run them. Python's
   default buffering applies (``PYTHONUNBUFFERED`` is removed from their environment: a file
-  is block-buffered unless the user asks otherwise).
+  is block-buffered unless the user asks otherwise). Each starts in a session of its own, as
+  nbdist's ranks do: with Linux's autogroup scheduling a session is a scheduling group, and
+  on a machine shared with other work, ranks in one shared session would get less CPU than
+  ranks in one session each, which is not what this measures.
 - **nbdist**: ``nbdist.run(train, np=--np)``: output streamed to the driver, tqdm bridged to
   the panel's progress events.
 
@@ -73,7 +76,7 @@ def bare(steps: int, work: int, np: int, tmp: Path) -> tuple[float, float]:
     for rank in range(np):
         with open(tmp / f"bare-{rank}.log", "w") as log:  # stdout and tqdm's stderr
             procs.append(subprocess.Popen(
-                [sys.executable, "-c", code], stdout=log, stderr=log,
+                [sys.executable, "-c", code], stdout=log, stderr=log, start_new_session=True,
                 env={**env, "RANK": str(rank), "RESULT_FILE": str(tmp / f"r{rank}")},
             ))
     for p in procs:
