@@ -736,23 +736,6 @@ def _pace_output() -> None:
     threading.Thread(target=_pace, args=(streams, wake), daemon=True,
                      name="nbdist-output").start()
 
-    def before_fork() -> None:  # a forked child must not write the parent's buffer again
-        for text, _ in streams:
-            try:
-                text.flush()
-            except (OSError, ValueError):
-                pass
-
-    def in_child() -> None:  # no pacing thread in a forked child: back to writing each line
-        for text, raw in streams:
-            raw.flooding = True  # stops the flood check, which only that thread acts on
-            try:
-                text.reconfigure(line_buffering=True)
-            except (OSError, ValueError):
-                pass
-
-    os.register_at_fork(before=before_fork, after_in_child=in_child)
-
 
 def _pace(streams: list[tuple[io.TextIOWrapper, _CountingFile]], wake: threading.Event) -> None:
     """Switch each stream between line and block buffering; flush the buffered ones."""

@@ -457,30 +457,6 @@ def test_the_line_printed_before_a_crash_is_kept_after_a_flood() -> None:
     assert job.state.ranks[0].last_line == "last words" and job.state.ranks[0].lines == 100_001
 
 
-@pytest.mark.timeout(120)
-def test_a_child_forked_during_a_flood_writes_its_lines_once_and_at_once() -> None:
-    """A forked child repeats none of the parent's buffered lines and loses none of its own."""
-
-    def fork_in_a_flood() -> bool:
-        import os
-        import sys
-
-        for i in range(100_000):
-            print("parent", i)
-        flooding = not sys.stdout.line_buffering
-        pid = os.fork()
-        if pid == 0:
-            print("child")
-            os._exit(0)  # no flush at exit: the line must be out already
-        os.waitpid(pid, 0)
-        return flooding
-
-    job = nbdist.run(fork_in_a_flood, np=1)
-    assert job.result(timeout=100) is True  # the fork did happen while buffered
-    r = job.state.ranks[0]
-    assert r.lines == 100_001 and r.last_line == "child"
-
-
 def test_long_lines_are_cut_and_unfinished_lines_show_up(tmp_path: Path) -> None:
     """An overlong line is cut with a note however it is written; a prompt shows up unfinished."""
     gate = tmp_path / "gate"
