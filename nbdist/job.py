@@ -35,22 +35,6 @@ DRAIN_S = 10.0
 _ids = itertools.count(1)
 
 
-def wait_ticking(
-    done: threading.Event, timeout: float | None, on_tick: Callable[[], None] | None
-) -> bool:
-    """Wait for ``done`` (True) or ``timeout`` (False), calling ``on_tick`` ~10 times a second
-    and once at the end (views render there)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not done.wait(0.1):
-        if on_tick is not None:
-            on_tick()
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-    if on_tick is not None:
-        on_tick()
-    return True
-
-
 class Handle(Protocol):
     """What the magics and views use of a job: a :class:`Job`, or a session's cell."""
 
@@ -388,12 +372,20 @@ class Job:
         ``on_tick`` is called about ten times a second while waiting (views render there).
         A KeyboardInterrupt cancels the job, waits for the teardown and re-raises.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return wait_ticking(self._done, timeout, on_tick)
+            while not self._done.wait(0.1):
+                if on_tick is not None:
+                    on_tick()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
         except KeyboardInterrupt:
             self.cancel("interrupted from the notebook")
             self._done.wait(TEARDOWN_S)
             raise
+        if on_tick is not None:
+            on_tick()
+        return True
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's value; raises :class:`DistributedError` if the job failed."""

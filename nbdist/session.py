@@ -35,7 +35,7 @@ import cloudpickle
 
 from nbdist import events, state
 from nbdist.errors import DistributedError, NbdistError
-from nbdist.job import Job, choose_launcher, register, wait_ticking
+from nbdist.job import Job, choose_launcher, register
 from nbdist.launch import Launcher
 from nbdist.rank import RankOutcome
 
@@ -490,8 +490,13 @@ class SessionCell:
         A KeyboardInterrupt interrupts the cell on the ranks and waits for them; a second one
         tears the session down.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return wait_ticking(self._done, timeout, on_tick)
+            while not self._done.wait(0.1):
+                if on_tick is not None:
+                    on_tick()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
         except KeyboardInterrupt:
             self.cancel("interrupted from the notebook")
             try:  # the view stays live: what the ranks print as they stop is shown
@@ -500,6 +505,9 @@ class SessionCell:
                 self.session._fail(f"interrupted twice while cell {self.id} ran")
                 self._tick_until_done(STOP_S, on_tick)
             raise
+        if on_tick is not None:
+            on_tick()
+        return True
 
     def _tick_until_done(self, timeout: float, on_tick: Any) -> None:
         deadline = time.monotonic() + timeout
