@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # -- --show-source: the function that runs on each rank -----------------------------------------
 def function_source(captured: Captured, name: str = "cell") -> str:
-    """The cell as the captured-contained function that runs on each rank (``--show-source``)."""
+    """The cell as the self-contained function that runs on each rank (``--show-source``)."""
     out = [f"def {name}():"]
     if captured.imports or captured.submodules:
         out.append("    # imported on the rank, by name (never pickled)")
