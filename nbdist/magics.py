@@ -1,6 +1,6 @@
 """The IPython magics: parse options, turn them into one call of the engine, show the result.
 
-Capture lives in ``capture.py``, launching in ``job.py`` and ``launch/``, rendering in
+Capture lives in ``capture/``, launching in ``job.py`` and ``launch/``, rendering in
 ``views/``.
 """
 

@@ -399,3 +399,17 @@ def test_capture_does_not_import_heavy_or_optional_packages(tmp_path: Path) -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_capture_package_exports_exactly_its_all() -> None:
+    """``nbdist.capture`` exposes exactly the names in its ``__all__``; the rest is private."""
+    import __future__
+
+    import nbdist.capture as package
+
+    feature = type(__future__.annotations)  # ``from __future__ import annotations`` is a name
+    public = {name for name, value in vars(package).items()
+              if not name.startswith("_") and not isinstance(value, feature)}
+    assert sorted(package.__all__) == sorted(public) == sorted([
+        "LARGE_VALUE_BYTES", "RANK_MAGICS", "Captured", "Import", "Value", "capture_cell",
+    ])

@@ -1,0 +1,172 @@
+"""The entry point: :func:`capture_cell` turns a cell and the notebook's namespace into a
+:class:`Captured` (what runs on the ranks), or refuses it with a clear error.
+
+The steps, each in a module of its own: ``_syntax.parse`` (the cell as Python),
+``_scope.Flow`` (which notebook names it reads), ``_ship.by_name`` and ``_ship.ship``
+(imports, and values in one cloudpickle stream, refused by ``_refusals`` when they cannot
+travel). ``_export`` writes what ``--show-source`` and ``--export`` show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import warnings
+from collections.abc import Callable, Collection, Container, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The package itself, for its setting ``LARGE_VALUE_BYTES`` (users set it there). It is only
+# partly initialised while this module loads; capture_cell reads it at call time.
+from nbdist import capture as _package
+from nbdist.capture._export import function_source, write_export
+from nbdist.capture._scope import Flow, Need
+from nbdist.capture._ship import Import, Value, by_name, large_message, ship, submodules_reached
+from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, Lines, has_value, parse
+from nbdist.errors import CaptureWarning
+
+
+@dataclass
+class Captured:
+    """A cell made self-contained: what :func:`capture_cell` returns."""
+
+    source: str  # the cell as Python (IPython syntax already transformed)
+    filename: str
+    imports: list[Import] = field(default_factory=list)
+    submodules: list[str] = field(default_factory=list)  # imported for ``pkg.sub.x`` uses
+    values: list[Value] = field(default_factory=list)
+    data: bytes = b""  # the values, pickled one after another with one memo
+    left_out: dict[str, str] = field(default_factory=dict)  # optional name → why not shipped
+    returns_last: bool = True
+    line_offset: int = 0  # lines above the cell body (the %%distributed line)
+    flags: int = 0  # compiler flags of __future__ features in effect in the notebook
+
+    def payload(self) -> dict[str, Any]:
+        """What ``runtime._run_cell`` executes on each rank."""
+        return {
+            "kind": "cell",
+            "source": self.source,
+            "filename": self.filename,
+            "line_offset": self.line_offset,
+            "flags": self.flags,
+            "imports": [(i.name, i.module, i.attr) for i in self.imports],
+            "submodules": list(self.submodules),
+            "data": self.data,
+            "value_names": [v.name for v in self.values],
+            "returns_last": self.returns_last,
+        }
+
+    def function_source(self, name: str = "cell") -> str:
+        """The cell as the self-contained function that runs on each rank (for --show-source)."""
+        return function_source(self, name)
+
+    def export(self, path: str | os.PathLike[str], np: int = 1) -> list[Path]:
+        """Write a standalone script (and its values) that ``torchrun`` runs without nbdist.
+
+        Parameters
+        ----------
+        path : str or path-like
+            The script to write (``train.py``). The captured values, if any, go next to it in
+            ``<stem>.values.pkl``; keep the two files together.
+        np : int
+            The number of processes per node the script's header suggests.
+
+        Returns
+        -------
+        list of Path
+            The files written, the script first.
+        """
+        return write_export(self, Path(path), np)
+
+
+# -- the entry point ----------------------------------------------------------------------------
+def capture_cell(
+    cell: str,
+    user_ns: Mapping[str, Any],
+    *,
+    transform: Callable[[str], str] | None = None,
+    filename: str = "<cell>",
+    line_offset: int = 0,
+    compile_flags: int = 0,
+    warn_bytes: int | None = None,
+    remote_names: Collection[str] = (),
+) -> Captured:
+    """Turn a cell into a :class:`Captured`, or raise :class:`CaptureError` / ``SyntaxError``.
+
+    Parameters
+    ----------
+    cell : str
+        The cell body, as the user wrote it.
+    user_ns : mapping
+        The notebook's namespace (``shell.user_ns``).
+    transform : callable, optional
+        Turns IPython syntax (``!cmd``, ``%magic``) into Python; pass ``shell.transform_cell``.
+    filename : str
+        The name remote tracebacks show for the cell (``<cell In[7]>``).
+    line_offset : int
+        Lines above the body in the notebook's cell (1 for the ``%%distributed`` line), so that
+        line numbers in messages and tracebacks match the editor's.
+    compile_flags : int
+        The notebook compiler's flags (``shell.compile.flags``); ``from __future__ import
+        annotations`` done in an earlier cell is carried over from them.
+    warn_bytes : int, optional
+        Warn (``CaptureWarning``) about values that pickle to more bytes than this; default
+        :data:`nbdist.capture.LARGE_VALUE_BYTES`.
+    remote_names : collection of str
+        Names already defined on the ranks (a persistent session's earlier cells): neither
+        shipped nor imported, so the notebook's values never shadow the ranks' own.
+
+    Raises
+    ------
+    CaptureError
+        A value the cell needs cannot travel, or the cell uses something that cannot run on a
+        rank (a magic, top-level ``await``, a relative import); the message says what to do.
+    """
+    flags = compile_flags & CO_FUTURE_ANNOTATIONS
+    lines = Lines(cell, line_offset)
+    with _gc_paused():
+        source, needs, returns_last = _analyse(cell, transform, filename, lines, user_ns,
+                                               bool(flags))
+    imports, shipping = by_name(needs, user_ns, remote_names)
+    captured = Captured(
+        source=source, filename=filename, imports=imports,
+        submodules=submodules_reached(source, imports), returns_last=returns_last,
+        line_offset=line_offset, flags=flags,
+    )
+    if shipping:
+        captured.values, captured.data, captured.left_out = ship(shipping, user_ns, lines)
+        limit = _package.LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
+        for v in captured.values:
+            if v.size > limit:
+                warnings.warn(large_message(v, limit, lines), CaptureWarning, stacklevel=2)
+    return captured
+
+
+def _analyse(cell: str, transform: Callable[[str], str] | None, filename: str, lines: Lines,
+             universe: Container[str], future_annotations: bool
+             ) -> tuple[str, dict[str, Need], bool]:
+    """The cell as Python, the notebook names it reads, and whether it has a value. Only
+    these small results outlive the call: the tree goes with it (see :func:`_gc_paused`)."""
+    source, tree = parse(cell, transform, filename, lines.offset)
+    # a ``from __future__ import annotations`` in the cell is seen by the flow itself
+    needs = Flow(lines, future_annotations, filename, universe).run(tree)
+    return source, needs, has_value(tree, source, lines.offset)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while the cell's tree exists. Parsing makes
+    thousands of AST nodes at once, none in a reference cycle, and the collections their
+    allocation triggers would walk them over and over (and move them to the oldest
+    generation, bringing a full collection of the kernel's heap closer) only for reference
+    counting to free them all when the tree is dropped: drop it before resuming."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
