@@ -204,6 +204,51 @@ def test_status_reports_render_as_text_and_html() -> None:
     assert "<script>" not in ranks._repr_html_() and "&lt;script&gt;" in ranks._repr_html_()
 
 
+def _html_rows(markup: str) -> list[dict[str, str]]:
+    """The rows of the first HTML table in ``markup``, as {column header: cell text}."""
+    from html.parser import HTMLParser
+
+    class Table(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[str]] = []
+            self.cell: list[str] | None = None
+
+        def handle_starttag(self, tag: str, attrs: Any) -> None:
+            if tag == "tr":
+                self.rows.append([])
+            elif tag in ("td", "th"):
+                self.cell = []
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag in ("td", "th") and self.cell is not None:
+                self.rows[-1].append("".join(self.cell))
+                self.cell = None
+
+        def handle_data(self, data: str) -> None:
+            if self.cell is not None:
+                self.cell.append(data)
+
+    table = Table()
+    table.feed(markup)
+    header, *rows = table.rows
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def test_rank_details_as_html_put_each_value_in_its_own_column() -> None:
+    """%dist_status JOB as HTML: progress under "progress", log lines under "last lines"."""
+    job = running_job()
+    job.apply(1, {"t": "progress", "id": 1, "n": 3, "total": 8, "desc": "train"})
+    job.apply(1, out("first line\nsecond line\n"))
+    rows = _html_rows(status.RanksReport(job)._repr_html_())
+    assert [row["rank"] for row in rows] == ["0", "1"]
+    assert rows[1]["state"] == "running" and rows[1]["host"] == "node-a"
+    assert rows[1]["pid"] == "1001" and rows[1]["gpu"] == "-"
+    assert rows[1]["progress"] == "train: 3/8"
+    assert rows[1]["last lines"] == "first line\nsecond line"
+    assert rows[0]["progress"] == "" and rows[0]["last lines"] == ""
+
+
 def test_silent_ranks_show_in_the_panel_the_text_view_and_status() -> None:
     """A running rank not heard of for three heartbeats is flagged everywhere, until it talks."""
     job = running_job(3)
