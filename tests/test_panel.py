@@ -410,11 +410,36 @@ def test_text_chunks_fold_into_lines_partials_and_redraws() -> None:
     job.apply(0, out("first\nsec"))
     r = job.ranks[0]
     assert [ln.text for ln in r.log] == ["first"] and r.status_line == "sec"
-    job.apply(0, out("ond\r\n40%\r80%\rthird\n"))
+    job.apply(0, out("ond\r\n40%\r80%"))
+    assert [ln.text for ln in r.log] == ["first", "second"] and r.status_line == "80%"
+    job.apply(0, out("\rthird\n"))  # the redrawn line ends: it is logged, the status goes
     assert [ln.text for ln in r.log] == ["first", "second", "third"]
-    assert r.status_line == "80%" and r.lines == 3
+    assert r.status_line == "" and r.lines == 3
     job.apply(0, out("err line\n", s="e"))
     assert r.log[-1].stream == "e" and [ln.seq for ln in job.merged] == [1, 2, 3, 4]
+
+
+def test_a_redrawn_line_is_logged_once_in_its_last_form(ip: Any, capsys: Any) -> None:
+    """A rank redrawing ``\\rstep i/5`` (flushed, 0.3 s apart) then ending the line logs only
+    ``step 5/5``; neither the text view nor the panel shows a stale redraw after it."""
+    run(ip, "%%distributed -np 1\n"
+            "import sys, time\n"
+            "for i in range(1, 6):\n"
+            "    sys.stdout.write(f'\\rstep {i}/5')\n"
+            "    sys.stdout.flush()\n"
+            "    time.sleep(0.3)  # longer than the supervisor waits to send a partial line\n"
+            "print()\n")
+    printed = capsys.readouterr().out
+    job = jobs.get_job()
+    assert job is not None and job.state.state == state.DONE
+    r = job.state.ranks[0]
+    assert [ln.text for ln in r.log] == ["step 5/5"] and r.status_line == ""
+    steps = [line for line in printed.splitlines() if "step" in line]
+    assert steps[-1] == "[rank 0] step 5/5", printed  # the text view: nothing stale after it
+    assert all(line.count("step") == 1 for line in steps), printed
+    panel = Panel(job.state)
+    assert "step 5/5" in panel.panes[0].value and "step 4/5" not in panel.panes[0].value
+    assert "step 5/5" in panel.rows[0].info.value
 
 
 @pytest.mark.timeout(120)
