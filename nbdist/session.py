@@ -415,7 +415,8 @@ class SessionCell:
             others = sorted(r for r in self._errors if r != first)
             msg = f"rank {first} of {self.np} failed: {self._first_what}"
             if others:
-                msg += f" (ranks {', '.join(map(str, others))} were interrupted after it)"
+                msg += (f" (rank {others[0]} was interrupted after it)" if len(others) == 1
+                        else f" (ranks {', '.join(map(str, others))} were interrupted after it)")
             msg += f"; session {self.session.id} is still running"
             failures = {first: self._errors[first]}
             self.end(DistributedError(msg, job_id=self.id, reason="failed", failures=failures))

@@ -84,6 +84,22 @@ def test_a_failing_cell_raises_and_the_next_cell_runs(ip: Any) -> None:
     assert run(ip, "%%distributed -np 2 --quiet\n21 * 2") == 42
 
 
+def test_an_exception_that_cannot_be_printed_still_names_its_rank_and_type(ip: Any) -> None:
+    """A job's exception whose __str__ raises is reported with its rank, type and repr."""
+    result = ip.run_cell("%%distributed -np 2\n"
+                         "import os\n"
+                         "class NoStr(Exception):\n"
+                         "    def __str__(self):\n"
+                         "        raise RuntimeError('no str')\n"
+                         "if os.environ['RANK'] == '1':\n"
+                         "    raise NoStr(7)\n")
+    err = result.error_in_exec
+    assert isinstance(err, nbdist.DistributedError)
+    assert str(err).startswith(
+        "rank 1 of 2 failed: NoStr: NoStr(7) (its __str__ raised RuntimeError)")
+    assert "raise NoStr(7)" in err.failures[1]
+
+
 def test_line_form_runs_a_script_with_arguments(ip: Any, tmp_path: Path, capsys: Any) -> None:
     """`%distributed -np 2 train.py --lr 0.1` runs the script on both ranks with its argv."""
     script = tmp_path / "train.py"
