@@ -230,26 +230,28 @@ class DistMagics(Magics):
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         view = None
-        try:
-            # From here on an interrupt (the stop button) may land anywhere, also while the
-            # view is being built: every path must cancel the job, not leave it running.
-            view = None if opts.quiet else self._view(job)
-            if opts.bg:
-                if view is not None:
-                    view.start()  # renders from its own thread until the job ends
-                return job
-            if isinstance(view, TextView):
-                job.wait(on_tick=view.update)
-            else:
-                if view is not None:
-                    view.start()
-                job.wait()
-        except KeyboardInterrupt:
-            job.cancel("interrupted from the notebook")
-            job.wait(jobs.TEARDOWN_S)  # its error says so below
-        finally:
-            if view is not None and not (opts.bg and not job.done()):
-                view.close()
+        # From here on an interrupt (the stop button) may land anywhere, also while the view
+        # is being built: every path must cancel the job, not leave it running, and on Spark
+        # the stop button must stop this job only (jobs.waiting: see launch/spark.py).
+        with jobs.waiting():
+            try:
+                view = None if opts.quiet else self._view(job)
+                if opts.bg:
+                    if view is not None:
+                        view.start()  # renders from its own thread until the job ends
+                    return job
+                if isinstance(view, TextView):
+                    job.wait(on_tick=view.update)
+                else:
+                    if view is not None:
+                        view.start()
+                    job.wait()
+            except KeyboardInterrupt:
+                job.cancel("interrupted from the notebook")
+                job.wait(jobs.TEARDOWN_S)  # its error says so below
+            finally:
+                if view is not None and not (opts.bg and not job.done()):
+                    view.close()
         if job.error is not None or not job.done():
             job.result(timeout=0)
         if opts.output and self.shell is not None:
