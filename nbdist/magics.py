@@ -396,6 +396,41 @@ class DistMagics(Magics):
         return live
 
 
+def unload(shell: Any) -> None:
+    """``%unload_ext nbdist``: stop what nbdist started and remove its magics.
+
+    Refused (a :class:`UsageError` naming them) while a job or a session cell runs: unloading
+    must not throw away a run's work; cancel it (``%dist_cancel``) or let it end first. Then:
+    the session stops, the warm pool lets its zygotes and interpreters go, the event servers
+    close, pyspark's own SIGINT handler is back, and ``%%distributed`` is unknown again.
+    ``%load_ext nbdist`` starts over.
+    """
+    import sys
+
+    running = [j.id for j in jobs.jobs() if not j.done()]
+    if running:
+        what = f"job {running[0]} is" if len(running) == 1 else (
+            f"jobs {', '.join(running)} are")
+        cancel = " and ".join(f"%dist_cancel {i}" for i in running)
+        raise UsageError(f"nbdist was not unloaded: {what} still running. Let it end or stop "
+                         f"it ({cancel}), then run %unload_ext nbdist again.")
+    sessions.shutdown("nbdist was unloaded (%unload_ext nbdist)")
+    if "nbdist.launch.local" in sys.modules:  # nothing was started if it was never imported
+        sys.modules["nbdist.launch.local"].pool.clear()
+    events.close_shared()
+    if "nbdist.launch.spark" in sys.modules:
+        sys.modules["nbdist.launch.spark"].unguard_stop_button()
+    manager = shell.magics_manager
+    mine = manager.registry.pop(DistMagics.__name__, None)
+    if mine is not None:
+        for kind, table in manager.magics.items():
+            for name, func in mine.magics.get(kind, {}).items():
+                if table.get(name) == func:  # not if something else took the name since
+                    del table[name]
+        if mine in shell.configurables:
+            shell.configurables.remove(mine)
+
+
 def _widget_frontend(shell: Any) -> bool:
     """True in a Jupyter kernel (ipykernel's shell) where ipywidgets can be imported."""
     import importlib.util

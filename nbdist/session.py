@@ -89,6 +89,15 @@ def start(
     return _current
 
 
+def shutdown(reason: str) -> None:
+    """Stop this kernel's session if one is live, and forget it (``%unload_ext nbdist``)."""
+    global _current
+    with _current_lock:
+        live, _current = _current, None
+    if live is not None and live.alive:
+        live.stop(reason)
+
+
 class Session(Job):
     """Ranks that stay up between cells; see the module docstring.
 
