@@ -179,3 +179,19 @@ def test_stop_button_on_a_session_cell_spares_other_spark_jobs(
         gate.touch()
         if live.alive:
             live.stop()
+
+
+def test_unload_puts_pysparks_stop_button_back(ip: Any, spark_local: SparkSession) -> None:
+    """%unload_ext nbdist restores pyspark's own SIGINT handler; %load_ext nbdist guards again."""
+    assert run(ip, "%%distributed -np 1 --quiet\n1") == 1  # a Spark job installs the guard
+    guard = signal.getsignal(signal.SIGINT)
+    assert getattr(guard, "_nbdist_guard", False)
+    pysparks = guard._nbdist_previous  # type: ignore[union-attr]
+    assert pysparks.__module__.startswith("pyspark")
+    try:
+        run(ip, "%unload_ext nbdist")
+        assert signal.getsignal(signal.SIGINT) is pysparks
+    finally:
+        run(ip, "%load_ext nbdist")
+    assert run(ip, "%%distributed -np 1 --quiet\n6 * 7") == 42
+    assert getattr(signal.getsignal(signal.SIGINT), "_nbdist_guard", False)
