@@ -409,11 +409,12 @@ def unload(shell: Any) -> None:
 
     running = [j.id for j in jobs.jobs() if not j.done()]
     if running:
-        what = f"job {running[0]} is" if len(running) == 1 else (
-            f"jobs {', '.join(running)} are")
+        one = len(running) == 1
+        what = f"job {running[0]} is" if one else f"jobs {', '.join(running)} are"
+        it = "it" if one else "them"
         cancel = " and ".join(f"%dist_cancel {i}" for i in running)
-        raise UsageError(f"nbdist was not unloaded: {what} still running. Let it end or stop "
-                         f"it ({cancel}), then run %unload_ext nbdist again.")
+        raise UsageError(f"nbdist was not unloaded: {what} still running. Let {it} end or stop "
+                         f"{it} ({cancel}), then run %unload_ext nbdist again.")
     sessions.shutdown("nbdist was unloaded (%unload_ext nbdist)")
     if "nbdist.launch.local" in sys.modules:  # nothing was started if it was never imported
         sys.modules["nbdist.launch.local"].pool.clear()
