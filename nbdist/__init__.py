@@ -55,4 +55,8 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """``%unload_ext nbdist``: nothing to undo beyond what IPython does itself."""
+    """``%unload_ext nbdist``: stop the session, the warm pool and the event servers, and
+    remove the magics (refused while a job runs); see :func:`nbdist.magics.unload`."""
+    from nbdist.magics import unload
+
+    unload(ipython)

@@ -582,6 +582,15 @@ def shared_server(host: str = "127.0.0.1") -> EventServer:
         return server
 
 
+def close_shared() -> None:
+    """Close the kernel's event servers (``%unload_ext nbdist``); the next job starts anew."""
+    with _shared_lock:
+        servers = list(_shared.values())
+        _shared.clear()
+    for server in servers:
+        server.close()
+
+
 def rejected_connections() -> int:
     """Connections the kernel's event servers refused (bad secret, malformed), in all."""
     with _shared_lock:

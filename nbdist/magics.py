@@ -230,26 +230,28 @@ class DistMagics(Magics):
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         view = None
-        try:
-            # From here on an interrupt (the stop button) may land anywhere, also while the
-            # view is being built: every path must cancel the job, not leave it running.
-            view = None if opts.quiet else self._view(job)
-            if opts.bg:
-                if view is not None:
-                    view.start()  # renders from its own thread until the job ends
-                return job
-            if isinstance(view, TextView):
-                job.wait(on_tick=view.update)
-            else:
-                if view is not None:
-                    view.start()
-                job.wait()
-        except KeyboardInterrupt:
-            job.cancel("interrupted from the notebook")
-            job.wait(jobs.TEARDOWN_S)  # its error says so below
-        finally:
-            if view is not None and not (opts.bg and not job.done()):
-                view.close()
+        # From here on an interrupt (the stop button) may land anywhere, also while the view
+        # is being built: every path must cancel the job, not leave it running, and on Spark
+        # the stop button must stop this job only (jobs.waiting: see launch/spark.py).
+        with jobs.waiting():
+            try:
+                view = None if opts.quiet else self._view(job)
+                if opts.bg:
+                    if view is not None:
+                        view.start()  # renders from its own thread until the job ends
+                    return job
+                if isinstance(view, TextView):
+                    job.wait(on_tick=view.update)
+                else:
+                    if view is not None:
+                        view.start()
+                    job.wait()
+            except KeyboardInterrupt:
+                job.cancel("interrupted from the notebook")
+                job.wait(jobs.TEARDOWN_S)  # its error says so below
+            finally:
+                if view is not None and not (opts.bg and not job.done()):
+                    view.close()
         if job.error is not None or not job.done():
             job.result(timeout=0)
         if opts.output and self.shell is not None:
@@ -392,6 +394,42 @@ class DistMagics(Magics):
             raise UsageError("no session; start one with %dist_session start -np N")
         live.check_usable()
         return live
+
+
+def unload(shell: Any) -> None:
+    """``%unload_ext nbdist``: stop what nbdist started and remove its magics.
+
+    Refused (a :class:`UsageError` naming them) while a job or a session cell runs: unloading
+    must not throw away a run's work; cancel it (``%dist_cancel``) or let it end first. Then:
+    the session stops, the warm pool lets its zygotes and interpreters go, the event servers
+    close, pyspark's own SIGINT handler is back, and ``%%distributed`` is unknown again.
+    ``%load_ext nbdist`` starts over.
+    """
+    import sys
+
+    running = [j.id for j in jobs.jobs() if not j.done()]
+    if running:
+        one = len(running) == 1
+        what = f"job {running[0]} is" if one else f"jobs {', '.join(running)} are"
+        it = "it" if one else "them"
+        cancel = " and ".join(f"%dist_cancel {i}" for i in running)
+        raise UsageError(f"nbdist was not unloaded: {what} still running. Let {it} end or stop "
+                         f"{it} ({cancel}), then run %unload_ext nbdist again.")
+    sessions.shutdown("nbdist was unloaded (%unload_ext nbdist)")
+    if "nbdist.launch.local" in sys.modules:  # nothing was started if it was never imported
+        sys.modules["nbdist.launch.local"].pool.clear()
+    events.close_shared()
+    if "nbdist.launch.spark" in sys.modules:
+        sys.modules["nbdist.launch.spark"].unguard_stop_button()
+    manager = shell.magics_manager
+    mine = manager.registry.pop(DistMagics.__name__, None)
+    if mine is not None:
+        for kind, table in manager.magics.items():
+            for name, func in mine.magics.get(kind, {}).items():
+                if table.get(name) == func:  # not if something else took the name since
+                    del table[name]
+        if mine in shell.configurables:
+            shell.configurables.remove(mine)
 
 
 def _widget_frontend(shell: Any) -> bool:

@@ -25,7 +25,6 @@ import hmac
 import json
 import os
 import queue
-import re
 import secrets
 import select
 import signal
@@ -701,17 +700,10 @@ def _descendants(pid: int) -> list[Any]:
         return []
 
 
-_NEWLINE = re.compile(r"(\r\n|\r|\n)")
-
-
 def _split(text: str) -> tuple[list[list[str]], str]:
-    """Split into ``[text, end]`` segments at ``\\n`` and ``\\r``; return the unfinished rest."""
-    parts = _NEWLINE.split(text)
-    segs = [
-        [_cut(line), "\r" if sep == "\r" else "\n"]
-        for line, sep in zip(parts[0:-1:2], parts[1::2], strict=True)
-    ]
-    return segs, parts[-1]
+    """Split into ``[text, end]`` segments (``state.split_lines``), overlong lines cut."""
+    segs, rest = state.split_lines(text)
+    return [[_cut(line), end] for line, end in segs], rest
 
 
 def _grow_pipe(fd: int) -> None:

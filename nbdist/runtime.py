@@ -330,7 +330,7 @@ def _import(module: str, what: str, name: str) -> Any:
     except Exception as exc:
         raise ImportError(
             f"the notebook's name {name!r} needs `{what}`, which failed on this rank: "
-            f"{type(exc).__name__}: {exc}. Install it where the ranks run."
+            f"{_type_name(exc)}: {_message(exc)}. Install it where the ranks run."
         ) from None
 
 
@@ -434,17 +434,68 @@ _RUNNERS: dict[str, Callable[[dict[str, Any]], Any]] = {
 
 
 def _format_error(exc: BaseException) -> dict[str, str]:
-    """The user's traceback, without the runtime's own frames."""
-    te = traceback.TracebackException.from_exception(exc)
-    for cur in _chain(te):
-        cur.stack = traceback.StackSummary.from_list(
-            [f for f in cur.stack if not f.filename.startswith(_PKG_DIR)]
-        )
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(te.format()),
-    }
+    """The user's traceback, without the runtime's own frames; never raises.
+
+    Everything here runs user code: ``str()``/``repr()`` of the exception, its ``__notes__``,
+    the exceptions it chains to. Any of them may raise, and an error escaping from here would
+    end the rank (and break a session, with all its variables): each part falls back on its own.
+    """
+    kind = _type_name(exc)
+    message = _message(exc)
+    if isinstance(exc, SystemExit):
+        message = f"called sys.exit({exc.code!r})" if _is_plain(exc.code) else (
+            f"called sys.exit() with a {_type_name(exc.code)}")
+    try:
+        te = traceback.TracebackException.from_exception(exc)
+        for cur in _chain(te):
+            cur.stack = traceback.StackSummary.from_list(
+                [f for f in cur.stack if not str(f.filename).startswith(_PKG_DIR)]
+            )
+        text = "".join(te.format())
+    except Exception as why:
+        text = _bare_traceback(exc, kind, message, why)
+    if isinstance(exc, SystemExit):  # "SystemExit: 3" says less than what the code did
+        plain = f"SystemExit: {_message(exc)}\n" if exc.code is not None else "SystemExit\n"
+        said = f"SystemExit: the rank's code {message}\n"
+        text = text[:-len(plain)] + said if text.endswith(plain) else text + said
+    return {"type": kind, "message": message, "traceback": text}
+
+
+def _is_plain(code: object) -> bool:
+    return code is None or type(code) in (int, str, bool)
+
+
+def _type_name(obj: object) -> str:
+    try:
+        return str(type(obj).__name__)
+    except Exception:  # a metaclass that hides even the name
+        return "exception"
+
+
+def _message(exc: BaseException) -> str:
+    """``str(exc)``; if that raises, its ``repr``; if that raises too, the type name alone."""
+    try:
+        return str(exc)
+    except Exception as why:
+        failed = f"its __str__ raised {_type_name(why)}"
+    try:
+        return f"{repr(exc)} ({failed})"
+    except Exception as why:
+        return (f"<unprintable {_type_name(exc)}: {failed} and its __repr__ raised "
+                f"{_type_name(why)}>")
+
+
+def _bare_traceback(exc: BaseException, kind: str, message: str, why: Exception) -> str:
+    """The frames of ``exc`` alone, when the full report (chain, notes) could not be made."""
+    try:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not str(f.filename).startswith(_PKG_DIR)]
+        stack = "".join(traceback.format_list(frames))
+    except Exception:
+        stack = ""
+    head = "Traceback (most recent call last):\n" if stack else ""
+    return (f"{head}{stack}{kind}: {message}\n(nbdist could not format the rest of this "
+            f"traceback: {_type_name(why)} while reading the exception)\n")
 
 
 def _chain(te: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
@@ -608,23 +659,21 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             finally:
                 _interruptible.clear()
                 _cells.end()
-        except SystemExit as exc:
-            if exc.code not in (None, 0):
-                _flush_all()
-                chan.send(ERROR, json.dumps({
-                    "type": "SystemExit", "message": f"exit code {exc.code}",
-                    "traceback": f"the rank's code called sys.exit({exc.code!r})\n",
-                }).encode())
-                return
-            value = None
         except BaseException as exc:
-            _flush_all()
-            if payload.get("session"):
-                _mark_synced()
-            chan.send(ERROR, json.dumps(_format_error(exc)).encode())
-            if not payload.get("keep"):
-                return
-            continue
+            # sys.exit(0) (or exit(), sys.exit()) ends the rank's code successfully with no
+            # value, as a script's exit status 0 does under torchrun. Any other SystemExit is
+            # a failure. In a session it ends the cell, never the rank: the session and its
+            # variables stay, as a Jupyter kernel stays after a cell's sys.exit.
+            if isinstance(exc, SystemExit) and _is_plain(exc.code) and exc.code in (None, 0):
+                value = None
+            else:
+                _flush_all()
+                if payload.get("session"):
+                    _mark_synced()
+                chan.send(ERROR, json.dumps(_format_error(exc)).encode())
+                if not payload.get("keep"):
+                    return
+                continue
         finally:
             chan.event(t="modules", names=_imported_since(_AT_START))
             if payload.get("session"):
@@ -638,7 +687,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             chan.send(ERROR, json.dumps({
                 "type": "PicklingError",
                 "message": f"the cell's value of type {type(value).__qualname__} cannot be "
-                f"pickled to return it to the notebook: {exc}",
+                f"pickled to return it to the notebook: {_type_name(exc)}: {_message(exc)}",
                 "traceback": "",
             }).encode())
         else:

@@ -29,13 +29,14 @@ import hmac
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
 from nbdist import events, state
 from nbdist.errors import DistributedError, NbdistError
-from nbdist.job import Job, choose_launcher, register
+from nbdist.job import Job, choose_launcher, register, wait_loop
 from nbdist.launch import Launcher
 from nbdist.rank import RankOutcome
 
@@ -88,6 +89,15 @@ def start(
     return _current
 
 
+def shutdown(reason: str) -> None:
+    """Stop this kernel's session if one is live, and forget it (``%unload_ext nbdist``)."""
+    global _current
+    with _current_lock:
+        live, _current = _current, None
+    if live is not None and live.alive:
+        live.stop(reason)
+
+
 class Session(Job):
     """Ranks that stay up between cells; see the module docstring.
 
@@ -138,18 +148,14 @@ class Session(Job):
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every rank's interpreter is up; raise if the session failed first."""
-        deadline = time.monotonic() + timeout
-        try:
-            while not self._ready_event.wait(0.1):
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise SessionError(
-                        f"session {self.id}: only {len(self._ready)} of {self.np} ranks were "
-                        f"ready after {timeout:g} s; it was stopped"
-                    )
-        except KeyboardInterrupt:
+        # Set by every rank's "ready", and by the session's end: stop() ends the wait too.
+        if not wait_loop(self._ready_event, timeout, None, cancel=self.stop,
+                         teardown_s=2 * STOP_S):
             self.stop()
-            raise
+            raise SessionError(
+                f"session {self.id}: only {len(self._ready)} of {self.np} ranks were "
+                f"ready after {timeout:g} s; it was stopped"
+            )
         if self.done():
             why = self.broken or self._cancel_reason or "its ranks ended before they were ready"
             raise SessionError(f"session {self.id} could not start: {why}")
@@ -415,7 +421,8 @@ class SessionCell:
             others = sorted(r for r in self._errors if r != first)
             msg = f"rank {first} of {self.np} failed: {self._first_what}"
             if others:
-                msg += f" (ranks {', '.join(map(str, others))} were interrupted after it)"
+                msg += (f" (rank {others[0]} was interrupted after it)" if len(others) == 1
+                        else f" (ranks {', '.join(map(str, others))} were interrupted after it)")
             msg += f"; session {self.session.id} is still running"
             failures = {first: self._errors[first]}
             self.end(DistributedError(msg, job_id=self.id, reason="failed", failures=failures))
@@ -483,37 +490,18 @@ class SessionCell:
         )
 
     def wait(
-        self, timeout: float | None = None, on_tick: Any = None
+        self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
     ) -> bool:
         """Block until the cell is over (True) or ``timeout`` passed (False).
 
         A KeyboardInterrupt interrupts the cell on the ranks and waits for them; a second one
         tears the session down.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._done.wait(0.1):
-                if on_tick is not None:
-                    on_tick()
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-        except KeyboardInterrupt:
-            self.cancel("interrupted from the notebook")
-            try:  # the view stays live: what the ranks print as they stop is shown
-                self._tick_until_done(INTERRUPT_GRACE_S + STOP_S, on_tick)
-            except KeyboardInterrupt:  # a second stop: do not wait for the ranks any longer
-                self.session._fail(f"interrupted twice while cell {self.id} ran")
-                self._tick_until_done(STOP_S, on_tick)
-            raise
-        if on_tick is not None:
-            on_tick()
-        return True
-
-    def _tick_until_done(self, timeout: float, on_tick: Any) -> None:
-        deadline = time.monotonic() + timeout
-        while not self._done.wait(0.1) and time.monotonic() < deadline:
-            if on_tick is not None:
-                on_tick()
+        return wait_loop(
+            self._done, timeout, on_tick, cancel=self.cancel,
+            teardown_s=INTERRUPT_GRACE_S + STOP_S,
+            force=lambda: self.session._fail(f"interrupted twice while cell {self.id} ran"),
+        )
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's value; raises :class:`DistributedError` if the cell failed."""

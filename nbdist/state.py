@@ -57,7 +57,10 @@ class RankState:
         default_factory=lambda: collections.deque(maxlen=LOG_LINES)
     )
     lines: int = 0  # lines received in all
-    status_line: str = ""  # latest \r-terminated text (a progress bar drawn by the rank itself)
+    # The line being redrawn with \r (a progress bar the rank draws itself), or an unfinished
+    # line: only its latest form is kept, and it is cleared once a line of its stream ends.
+    status_line: str = ""
+    status_stream: str = ""  # the stream ("o"/"e") status_line came from
     progress: dict[int, dict[str, Any]] = field(default_factory=dict)
     bar: int | None = None  # id of the progress bar updated last (the one views show)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -154,7 +157,8 @@ class JobState:
     def _output_text(self, r: RankState, stream: str, text: str) -> None:
         """Fold a chunk of output: lines ended by \n, \r\n or \r, then an unfinished rest."""
         if "\r" in text:
-            self._output(r, stream, _segments(text))
+            segs, rest = split_lines(text)
+            self._output(r, stream, [*segs, [rest, ""]] if rest else segs)
             return
         # The fast path: whole lines only, built in bulk (a flood passes through here).
         parts = text.split("\n")
@@ -173,6 +177,8 @@ class JobState:
             r.log.extend(lines)
             r.lines += n
             self.merged.extend(lines)
+            if r.status_line and r.status_stream == stream:
+                r.status_line = ""  # the line it showed has ended (and is in the log now)
         if rest:
             self._output(r, stream, [[rest, ""]])
 
@@ -182,15 +188,20 @@ class JobState:
             if not isinstance(seg, list) or len(seg) != 2:
                 continue
             text, end = str(seg[0]), str(seg[1])
-            if end == "\r":
-                r.status_line = text
-                continue
             text = self._partial.pop(key, "") + text
+            if end == "\r":
+                # A redraw: what follows replaces this line, which never reaches the log (the
+                # rank flushed it before, as "step 1/5", and now starts over: "\rstep 2/5").
+                if text:
+                    r.status_line, r.status_stream = text, stream
+                continue
             if end == "" and len(text) < MAX_PARTIAL:
                 # Flushed before its newline: keep it open, but show it already.
                 self._partial[key] = text
-                r.status_line = text
+                r.status_line, r.status_stream = text, stream
                 continue
+            if r.status_stream == stream:
+                r.status_line = ""  # its line has ended: the log shows it from now on
             self.seq += 1
             line = Line(self.seq, r.rank, stream, text, end)
             r.log.append(line)
@@ -249,13 +260,15 @@ class JobState:
 _BREAK = re.compile(r"(\r\n|\r|\n)")
 
 
-def _segments(text: str) -> list[list[str]]:
-    """``[text, end]`` pairs, ``end`` being ``\n`` or ``\r``; an unfinished rest ends in ``""``."""
+def split_lines(text: str) -> tuple[list[list[str]], str]:
+    """``[line, end]`` pairs, ``end`` being ``\n`` (also for ``\r\n``) or ``\r`` (a redraw),
+    and the unfinished rest after the last line end ("" if there is none).
+
+    The one splitter of rank output: the supervisor (``rank.py``) and this model both use it.
+    """
     parts = _BREAK.split(text)
     segs = [
         [line, "\r" if sep == "\r" else "\n"]
         for line, sep in zip(parts[0:-1:2], parts[1::2], strict=True)
     ]
-    if parts[-1]:
-        segs.append([parts[-1], ""])
-    return segs
+    return segs, parts[-1]

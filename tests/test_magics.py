@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from IPython.core.error import UsageError
 
 import nbdist
 
-from .conftest import run
+from .conftest import GONE_WITHIN_S, run
 
 
 @pytest.mark.parametrize(
@@ -84,6 +88,22 @@ def test_a_failing_cell_raises_and_the_next_cell_runs(ip: Any) -> None:
     assert run(ip, "%%distributed -np 2 --quiet\n21 * 2") == 42
 
 
+def test_an_exception_that_cannot_be_printed_still_names_its_rank_and_type(ip: Any) -> None:
+    """A job's exception whose __str__ raises is reported with its rank, type and repr."""
+    result = ip.run_cell("%%distributed -np 2\n"
+                         "import os\n"
+                         "class NoStr(Exception):\n"
+                         "    def __str__(self):\n"
+                         "        raise RuntimeError('no str')\n"
+                         "if os.environ['RANK'] == '1':\n"
+                         "    raise NoStr(7)\n")
+    err = result.error_in_exec
+    assert isinstance(err, nbdist.DistributedError)
+    assert str(err).startswith(
+        "rank 1 of 2 failed: NoStr: NoStr(7) (its __str__ raised RuntimeError)")
+    assert "raise NoStr(7)" in err.failures[1]
+
+
 def test_line_form_runs_a_script_with_arguments(ip: Any, tmp_path: Path, capsys: Any) -> None:
     """`%distributed -np 2 train.py --lr 0.1` runs the script on both ranks with its argv."""
     script = tmp_path / "train.py"
@@ -123,3 +143,77 @@ def test_syntax_error_shows_the_users_line_not_nbdists_frames(ip: Any) -> None:
     shown = "\n".join(info.value._render_traceback_())
     assert "'return' outside function" in shown and "line 3" in shown
     assert "nbdist" not in shown and "Traceback" not in shown
+
+
+def _reply(kc: Any, code: str, timeout: float = 120) -> tuple[str, str]:
+    """Run ``code`` in a kernel: its stdout, and its stderr with its error's traceback (IPython
+    prints a UsageError on stderr)."""
+    from .test_kernel_live import execute
+
+    try:
+        msgs = execute(kc, code, timeout)
+    except AssertionError as exc:
+        return "", str(exc)
+
+    def stream(name: str) -> str:
+        return "".join(m["content"]["text"] for m in msgs
+                       if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+    return stream("stdout"), stream("stderr")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_unload_stops_what_nbdist_started_and_load_starts_over(tmp_path: Path) -> None:
+    """%unload_ext nbdist refuses while a job runs; then it stops the session, the warm
+    processes and the event server, and removes the magics; %load_ext nbdist works again."""
+    from jupyter_client.manager import start_new_kernel
+
+    from .test_kernel_live import ROOT
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT))
+    kernel: psutil.Process | None = None
+    try:
+        out, _ = _reply(kc, "import os\nprint(os.getpid())")
+        kernel = psutil.Process(int(out))
+        assert _reply(kc, "%load_ext nbdist") == ("", "")
+        assert not _reply(kc, "%dist_session start -np -2")[1]
+        assert not _reply(kc, "%%distributed -np -2 --quiet\nimport json\n1")[1]
+        gate = tmp_path / "gate"
+        assert not _reply(kc, f"%%distributed -np -1 --quiet --bg\nimport os, time\n"
+                              f"while not os.path.exists({str(gate)!r}):\n"
+                              f"    time.sleep(0.01)\n")[1]
+        out, _ = _reply(kc, "import json, nbdist.events as e, nbdist.job as j\n"
+                            "print(json.dumps([[s.address for s in e._shared.values()], "
+                            "j.get_job().id]))")
+        addresses, running = json.loads(out)
+        assert addresses and kernel.children(recursive=True)
+
+        _, error = _reply(kc, "%unload_ext nbdist")
+        assert f"nbdist was not unloaded: job {running} is still running" in error
+        assert f"%dist_cancel {running}" in error
+        gate.touch()
+        assert not _reply(kc, "j.get_job().result(timeout=60)")[1]
+
+        assert _reply(kc, "%unload_ext nbdist") == ("", "")
+        assert "Cell magic `%%distributed` not found" in _reply(kc, "%%distributed -np 2\n1")[1]
+        assert "`%dist_status` not found" in _reply(kc, "%dist_status")[1]
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while kernel.children(recursive=True):  # session ranks, zygote, warm interpreters
+            assert time.monotonic() < deadline, f"left running: {kernel.children(True)}"
+            time.sleep(0.05)
+        for host, port in addresses:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection((host, port), timeout=5).close()
+        out, _ = _reply(kc, "import threading\n"
+                            "print([t.name for t in threading.enumerate() if 'nbdist' in t.name])")
+        assert out.strip() == "[]"
+
+        assert _reply(kc, "%load_ext nbdist") == ("", "")
+        assert _reply(kc, "%%distributed -np -2 --quiet -o values\n6 * 7") == ("", "")
+        assert _reply(kc, "print(values)") == ("[42, 42]\n", "")
+        out, _ = _reply(kc, "%dist_session")
+        assert "no session" in out
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

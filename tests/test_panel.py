@@ -204,6 +204,51 @@ def test_status_reports_render_as_text_and_html() -> None:
     assert "<script>" not in ranks._repr_html_() and "&lt;script&gt;" in ranks._repr_html_()
 
 
+def _html_rows(markup: str) -> list[dict[str, str]]:
+    """The rows of the first HTML table in ``markup``, as {column header: cell text}."""
+    from html.parser import HTMLParser
+
+    class Table(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[str]] = []
+            self.cell: list[str] | None = None
+
+        def handle_starttag(self, tag: str, attrs: Any) -> None:
+            if tag == "tr":
+                self.rows.append([])
+            elif tag in ("td", "th"):
+                self.cell = []
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag in ("td", "th") and self.cell is not None:
+                self.rows[-1].append("".join(self.cell))
+                self.cell = None
+
+        def handle_data(self, data: str) -> None:
+            if self.cell is not None:
+                self.cell.append(data)
+
+    table = Table()
+    table.feed(markup)
+    header, *rows = table.rows
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def test_rank_details_as_html_put_each_value_in_its_own_column() -> None:
+    """%dist_status JOB as HTML: progress under "progress", log lines under "last lines"."""
+    job = running_job()
+    job.apply(1, {"t": "progress", "id": 1, "n": 3, "total": 8, "desc": "train"})
+    job.apply(1, out("first line\nsecond line\n"))
+    rows = _html_rows(status.RanksReport(job)._repr_html_())
+    assert [row["rank"] for row in rows] == ["0", "1"]
+    assert rows[1]["state"] == "running" and rows[1]["host"] == "node-a"
+    assert rows[1]["pid"] == "1001" and rows[1]["gpu"] == "-"
+    assert rows[1]["progress"] == "train: 3/8"
+    assert rows[1]["last lines"] == "first line\nsecond line"
+    assert rows[0]["progress"] == "" and rows[0]["last lines"] == ""
+
+
 def test_silent_ranks_show_in_the_panel_the_text_view_and_status() -> None:
     """A running rank not heard of for three heartbeats is flagged everywhere, until it talks."""
     job = running_job(3)
@@ -365,11 +410,36 @@ def test_text_chunks_fold_into_lines_partials_and_redraws() -> None:
     job.apply(0, out("first\nsec"))
     r = job.ranks[0]
     assert [ln.text for ln in r.log] == ["first"] and r.status_line == "sec"
-    job.apply(0, out("ond\r\n40%\r80%\rthird\n"))
+    job.apply(0, out("ond\r\n40%\r80%"))
+    assert [ln.text for ln in r.log] == ["first", "second"] and r.status_line == "80%"
+    job.apply(0, out("\rthird\n"))  # the redrawn line ends: it is logged, the status goes
     assert [ln.text for ln in r.log] == ["first", "second", "third"]
-    assert r.status_line == "80%" and r.lines == 3
+    assert r.status_line == "" and r.lines == 3
     job.apply(0, out("err line\n", s="e"))
     assert r.log[-1].stream == "e" and [ln.seq for ln in job.merged] == [1, 2, 3, 4]
+
+
+def test_a_redrawn_line_is_logged_once_in_its_last_form(ip: Any, capsys: Any) -> None:
+    """A rank redrawing ``\\rstep i/5`` (flushed, 0.3 s apart) then ending the line logs only
+    ``step 5/5``; neither the text view nor the panel shows a stale redraw after it."""
+    run(ip, "%%distributed -np 1\n"
+            "import sys, time\n"
+            "for i in range(1, 6):\n"
+            "    sys.stdout.write(f'\\rstep {i}/5')\n"
+            "    sys.stdout.flush()\n"
+            "    time.sleep(0.3)  # longer than the supervisor waits to send a partial line\n"
+            "print()\n")
+    printed = capsys.readouterr().out
+    job = jobs.get_job()
+    assert job is not None and job.state.state == state.DONE
+    r = job.state.ranks[0]
+    assert [ln.text for ln in r.log] == ["step 5/5"] and r.status_line == ""
+    steps = [line for line in printed.splitlines() if "step" in line]
+    assert steps[-1] == "[rank 0] step 5/5", printed  # the text view: nothing stale after it
+    assert all(line.count("step") == 1 for line in steps), printed
+    panel = Panel(job.state)
+    assert "step 5/5" in panel.panes[0].value and "step 4/5" not in panel.panes[0].value
+    assert "step 5/5" in panel.rows[0].info.value
 
 
 @pytest.mark.timeout(120)

@@ -133,6 +133,92 @@ def test_killed_rank_breaks_the_session(ip: Any, live: sessions.Session) -> None
     assert not rank_processes()
 
 
+UNPRINTABLE = """%%distributed
+import os
+rank = int(os.environ['RANK'])
+class NoStr(Exception):
+    def __str__(self):
+        raise RuntimeError('no str')
+class NoRepr(NoStr):
+    def __repr__(self):
+        raise RuntimeError('no repr')
+class BadNotes(Exception):
+    @property
+    def __notes__(self):  # read while the traceback is formatted
+        raise RuntimeError('no notes')
+kept = 41
+"""
+
+
+@pytest.mark.parametrize(("raised", "message"), [
+    ("NoStr('x')", "NoStr: NoStr('x') (its __str__ raised RuntimeError)"),
+    ("NoRepr()", "NoRepr: <unprintable NoRepr: its __str__ raised RuntimeError and its "
+                 "__repr__ raised RuntimeError>"),
+    ("BadNotes('boom')", "BadNotes: boom"),
+])
+def test_an_exception_that_cannot_be_printed_keeps_the_session(
+    ip: Any, live: sessions.Session, raised: str, message: str
+) -> None:
+    """An exception whose str, repr or traceback formatting raises fails the cell naming the
+    rank and the type; the session and its variables stay."""
+    run(ip, UNPRINTABLE)
+    with pytest.raises(DistributedError) as err:
+        run(ip, f"%%distributed\nif rank == 1:\n    raise {raised}\nkept += 1")
+    assert str(err.value).startswith(f"rank 1 of 2 failed: {message}; session {live.id} is "
+                                     f"still running")
+    assert f"raise {raised}" in err.value.failures[1]  # the user's line, whatever failed
+    assert live.alive
+    assert run(ip, "%%distributed -o values\n(rank, kept)") == (0, 42)
+    assert ip.user_ns["values"] == [(0, 42), (1, 41)]
+
+
+def test_sys_exit_fails_the_cell_and_keeps_the_session(ip: Any, live: sessions.Session) -> None:
+    """sys.exit(3) on a rank fails the cell once, naming the rank and the call; the session,
+    like a Jupyter kernel after sys.exit in a cell, stays with its variables."""
+    run(ip, "%%distributed\nimport os, sys, time\nrank = int(os.environ['RANK'])")
+    with pytest.raises(DistributedError) as err:
+        run(ip, "%%distributed\n"
+                "if rank == 1:\n"
+                "    sys.exit(3)\n"
+                "time.sleep(600)  # rank 0 is interrupted, as for any failing rank")
+    assert str(err.value) == (f"rank 1 of 2 failed: SystemExit: called sys.exit(3) (rank 0 was "
+                              f"interrupted after it); session {live.id} is still running")
+    assert "sys.exit(3)" in err.value.failures[1] and "line 3" in err.value.failures[1]
+    assert live.alive
+    assert run(ip, "%%distributed -o ranks\nrank") == 0
+    assert ip.user_ns["ranks"] == [0, 1]
+
+
+@pytest.mark.parametrize("call", ["sys.exit(0)", "sys.exit()", "exit()"])
+def test_a_successful_exit_ends_the_cell_on_its_rank(
+    ip: Any, live: sessions.Session, call: str
+) -> None:
+    """sys.exit(0), sys.exit() and exit() end the cell on that rank with no value, as exit
+    status 0 ends a job's rank; the session stays."""
+    run(ip, "%%distributed\nimport os, sys\nrank = int(os.environ['RANK'])")
+    assert run(ip, f"%%distributed -o values\nif rank == 1:\n    {call}\n'went on'") == "went on"
+    assert ip.user_ns["values"] == ["went on", None]
+    assert live.alive
+    assert run(ip, "%%distributed\nrank + 1") == 1
+
+
+def test_a_rank_that_exits_outright_breaks_the_session(ip: Any, live: sessions.Session) -> None:
+    """os._exit(3) ends the rank's process: the cell fails naming the rank and the exit code,
+    the session is broken with that reason, and no rank is left."""
+    with pytest.raises(DistributedError) as err:
+        run(ip, "%%distributed\n"
+                "import os, time\n"
+                "if os.environ['RANK'] == '1':\n"
+                "    os._exit(3)\n"
+                "time.sleep(600)")
+    assert "rank 1 exited with code 3 before returning a result" in str(err.value)
+    assert live.wait(GONE_WITHIN_S)
+    assert live.broken == "rank 1 exited with code 3 before returning a result"
+    with pytest.raises(sessions.SessionError, match="broken: rank 1 exited with code 3"):
+        run(ip, "%%distributed\n1")
+    assert not rank_processes()
+
+
 def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:
     """%dist_push sends a notebook value to every rank; %dist_pull brings one back."""
     run(ip, "weights = {'w': [1.0, 2.0]}")

@@ -30,6 +30,31 @@ def test_carriage_returns_update_the_status_line_only() -> None:
     assert job.ranks[0].status_line == "20%" and job.ranks[0].lines == 0
 
 
+def test_a_line_redrawn_in_flushed_pieces_keeps_only_its_last_form() -> None:
+    """``\\rstep 1/5`` ... ``\\rstep 5/5`` flushed one by one, then a newline: one log line."""
+    job = JobState("j", "local", 1)
+    r = job.ranks[0]
+    for i in range(1, 6):  # as the supervisor forwards them: the \r, then the unfinished text
+        job.apply(0, out(("", "\r")))
+        job.apply(0, out((f"step {i}/5", "")))
+        assert r.status_line == f"step {i}/5" and r.lines == 0
+    job.apply(0, out(("", "\n")))
+    assert [ln.text for ln in r.log] == ["step 5/5"]
+    assert r.status_line == ""  # no stale redraw after the final line
+
+
+def test_a_redraw_on_another_stream_survives_a_line() -> None:
+    """A bar redrawn on stderr stays the status while stdout prints whole lines."""
+    job = JobState("j", "local", 1)
+    r = job.ranks[0]
+    job.apply(0, out(("", "\r"), ("50%", ""), s="e"))
+    job.apply(0, {"t": "out", "s": "o", "text": "loss 0.3\n"})
+    job.apply(0, out(("log", "\n")))
+    assert r.status_line == "50%" and [ln.text for ln in r.log] == ["loss 0.3", "log"]
+    job.apply(0, {"t": "out", "s": "e", "text": "\r100%\n"})
+    assert r.status_line == "" and r.last_line == "100%"
+
+
 def test_partial_lines_are_joined_and_closed_at_the_end() -> None:
     """Text flushed before its newline is shown at once and joined with what follows."""
     job = JobState("j", "local", 1)

@@ -372,10 +372,12 @@ def guard_stop_button() -> None:
     """Keep the notebook's stop button from cancelling every Spark job of the session.
 
     pyspark's SparkContext, created in the main thread, installs a SIGINT handler that calls
-    ``cancelAllJobs()`` and raises KeyboardInterrupt. While the kernel waits on an nbdist job,
-    the KeyboardInterrupt alone is wanted: the job cancels its own job group and nothing else.
-    Anywhere else the previous handler runs as before. Installed from the main thread only
-    (where Python allows it), again whenever a new SparkContext replaced it.
+    ``cancelAllJobs()`` and raises KeyboardInterrupt. While the kernel waits on an nbdist job
+    or session cell (``nbdist.job.waiting`` marks the main thread, from nbdist's one wait loop
+    and from the magics), the KeyboardInterrupt alone is wanted: nbdist then cancels its own
+    job group, or interrupts the session's cell, and nothing else. Anywhere else the previous
+    handler runs as before. Installed from the main thread only (where Python allows it),
+    again whenever a new SparkContext replaced it.
     """
     if threading.current_thread() is not threading.main_thread():
         return
@@ -384,20 +386,26 @@ def guard_stop_button() -> None:
         return  # nothing there that would cancel other jobs
     if getattr(previous, "_nbdist_guard", False):
         return
-    from nbdist.job import Job
-
-    waiting = Job.wait.__code__
+    from nbdist.job import is_waiting
 
     def nbdist_sigint(signum: int, frame: FrameType | None) -> Any:
-        current = frame
-        while current is not None:
-            if current.f_code is waiting:
-                raise KeyboardInterrupt
-            current = current.f_back
+        # Signal handlers run in the main thread: this asks whether the main thread waits.
+        if is_waiting():
+            raise KeyboardInterrupt
         return previous(signum, frame)
 
     nbdist_sigint._nbdist_guard = True  # type: ignore[attr-defined]
+    nbdist_sigint._nbdist_previous = previous  # type: ignore[attr-defined]
     signal.signal(signal.SIGINT, nbdist_sigint)
+
+
+def unguard_stop_button() -> None:
+    """Put back the SIGINT handler that :func:`guard_stop_button` wrapped (pyspark's)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = getattr(signal.getsignal(signal.SIGINT), "_nbdist_previous", None)
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _outcome(rank: int, fields: _Fields) -> RankOutcome:

@@ -10,7 +10,7 @@ import html
 import statistics
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nbdist.state import (
     CANCELLED,
@@ -160,20 +160,33 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _html_table(header: Sequence[str], rows: Sequence[Sequence[Any]],
-                raw: frozenset[int] = frozenset()) -> str:
-    """An HTML table; cells are escaped unless their column is in ``raw``."""
+def _html_table(header: Sequence[str], fields: Sequence[str], rows: Sequence[Sequence[Any]],
+                raw: frozenset[str] = frozenset()) -> str:
+    """An HTML table of rows (named tuples of ``fields``); cells are escaped unless their
+    field is in ``raw`` (HTML made here, such as a state badge)."""
     head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in header)
     body = "".join(
         "<tr>" + "".join(
             f"<td style='text-align:left'>"
-            f"{c if i in raw else html.escape('' if c is None else str(c))}</td>"
-            for i, c in enumerate(row)
+            f"{c if name in raw else html.escape('' if c is None else str(c))}</td>"
+            for name, c in zip(fields, row, strict=True)
         ) + "</tr>"
         for row in rows
     )
     return (f"<table class='nbdist-table'><thead><tr>{head}</tr></thead>"
             f"<tbody>{body}</tbody></table>")
+
+
+class JobRow(NamedTuple):
+    """One row of ``%dist_status``; views replace fields by name (``row._replace(state=...)``)."""
+
+    job: str
+    backend: str
+    np: int
+    state: str
+    elapsed: str
+    failed_ranks: str
+    result_ready: str
 
 
 _JOB_COLUMNS = ("job", "backend", "np", "state", "elapsed", "failed ranks", "result ready")
@@ -190,15 +203,29 @@ def _job_state(j: JobState) -> str:
     return f"{j.state} ({len(silent)} {SILENT})" if silent else j.state
 
 
-def _job_row(j: JobState) -> list[Any]:
-    return [j.id, j.backend, j.np, _job_state(j), f"{j.elapsed:.1f} s",
-            ",".join(map(str, j.failed_ranks)) or "-", _result_ready(j)]
+def _job_row(j: JobState) -> JobRow:
+    return JobRow(j.id, j.backend, j.np, _job_state(j), f"{j.elapsed:.1f} s",
+                  ",".join(map(str, j.failed_ranks)) or "-", _result_ready(j))
 
 
 def jobs_table(jobs: Sequence[JobState]) -> str:
     if not jobs:
         return "no nbdist jobs in this kernel yet"
     return _table(_JOB_COLUMNS, [_job_row(j) for j in jobs])
+
+
+class RankRow(NamedTuple):
+    """One rank's row in ``%dist_status JOB`` and the job summaries."""
+
+    rank: int
+    state: str
+    host: str | None
+    pid: int | None
+    gpu: str
+    exit: int | None
+    seen: str
+    progress: str
+    last_line: str
 
 
 _RANK_COLUMNS = (
@@ -218,13 +245,13 @@ def rank_state(r: RankState) -> str:
     return SILENT if r.silent() else r.state
 
 
-def _rank_row(r: RankState) -> list[Any]:
+def _rank_row(r: RankState) -> RankRow:
     bar = r.progress.get(r.bar) if r.bar is not None else None
-    return [r.rank, rank_state(r), r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
-            html.unescape(progress_text(bar)) if bar else "", _last(r)]
+    return RankRow(r.rank, rank_state(r), r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
+                   html.unescape(progress_text(bar)) if bar else "", _last(r))
 
 
-def _rank_rows(job: JobState) -> tuple[list[list[Any]], int]:
+def _rank_rows(job: JobState) -> tuple[list[RankRow], int]:
     rows = [_rank_row(r) for r in job.ranks[:MAX_TABLE_ROWS]]
     return rows, max(0, job.np - MAX_TABLE_ROWS)
 
@@ -286,9 +313,8 @@ def summary_text(job: JobState) -> str:
 def summary_html(job: JobState) -> str:
     """The same as :func:`summary_text` as HTML, for the notebook once the job ended."""
     rows, more = _rank_rows(job)
-    for row in rows:
-        row[1] = _badge(str(row[1]))
-    table = _html_table(_RANK_COLUMNS, rows, raw=frozenset({1}))
+    rows = [row._replace(state=_badge(row.state)) for row in rows]
+    table = _html_table(_RANK_COLUMNS, RankRow._fields, rows, raw=frozenset({"state"}))
     if more:
         table += f"<div>… and {more} more ranks</div>"
     lines, skipped = _log_tail(job)
@@ -343,12 +369,12 @@ class JobsReport(_Report):
 
     def _repr_html_(self) -> str:
         if self.jobs:
-            rows = []
-            for j in self.jobs:
-                row = _job_row(j)
-                row[3] = _badge(j.state) + (f" {_badge(SILENT)}" if j.silent_ranks() else "")
-                rows.append(row)
-            table = _html_table(_JOB_COLUMNS, rows, raw=frozenset({3}))
+            rows = [
+                _job_row(j)._replace(
+                    state=_badge(j.state) + (f" {_badge(SILENT)}" if j.silent_ranks() else ""))
+                for j in self.jobs
+            ]
+            table = _html_table(_JOB_COLUMNS, JobRow._fields, rows, raw=frozenset({"state"}))
         else:
             table = "<p>no nbdist jobs in this kernel yet</p>"
         caps = "".join(f"<div>{html.escape(line)}</div>" for line in self._capacity_lines())
@@ -368,13 +394,20 @@ class RanksReport(_Report):
         job = self.job
         with job.lock:
             rows, more = _rank_rows(job)
-            tails = {r.rank: [ln.text for ln in list(r.log)[-5:]] for r in job.ranks[:len(rows)]}
-        for row in rows:
-            rank = int(row[0])
-            row[1] = _badge(str(row[1]))
-            lines = tails[rank] or [str(row[7])]
-            row[7] = "<pre style='margin:0'>" + html.escape("\n".join(lines)) + "</pre>"
-        table = _html_table((*_RANK_COLUMNS[:-1], "last lines"), rows, raw=frozenset({1, 7}))
+            # The last lines, and the line being redrawn (a bar the rank draws) after them.
+            tails = {r.rank: ([ln.text for ln in list(r.log)[-5:]]
+                              + ([r.status_line] if r.status_line else []))[-5:]
+                     for r in job.ranks[:len(rows)]}
+        rows = [
+            row._replace(
+                state=_badge(row.state),
+                last_line="<pre style='margin:0'>"
+                + html.escape("\n".join(tails[row.rank] or [row.last_line])) + "</pre>",
+            )
+            for row in rows
+        ]
+        table = _html_table((*_RANK_COLUMNS[:-1], "last lines"), RankRow._fields, rows,
+                            raw=frozenset({"state", "last_line"}))
         more_html = f"<div>… and {more} more ranks</div>" if more else ""
         note = silent_note(job)
         note_html = f"<div style='color:{SILENT_COLOR}'>{html.escape(note)}</div>" if note else ""

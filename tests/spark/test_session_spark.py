@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
 
+from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.errors import DistributedError
 
-from ..conftest import GONE_WITHIN_S, run
+from ..conftest import GONE_WITHIN_S, run, wait_for
 from ..sparks import marked_rank_processes
+from .test_local_session import OtherSparkJob
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.usefixtures("no_session")]
@@ -128,3 +134,64 @@ def test_interrupt_keeps_the_spark_session(ip: Any, spark_session_ranks: session
     assert spark_session_ranks.alive
     assert run(ip, "%%distributed -o all_ticks\nticks > 0") is True
     assert ip.user_ns["all_ticks"] == [True, True]
+
+
+def test_stop_button_on_a_session_cell_spares_other_spark_jobs(
+    ip: Any, spark_local: SparkSession, tmp_path: Path
+) -> None:
+    """SIGINT during a Spark session cell interrupts that cell only: a Spark job of someone
+    else's, running in a background thread, finishes, and the session keeps its variables."""
+    assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # pyspark's
+    gate = tmp_path / "gate"
+    other = OtherSparkJob(spark_local, gate)
+    run(ip, "%dist_session start -np 1")  # one slot of two: the other job takes the second
+    live = sessions.current()
+    assert live is not None and live.launcher.name == "spark"
+    try:
+        other.thread.start()
+        wait_for(lambda: other.running_tasks() == 1, 120, "the other job's task to run")
+        run(ip, "%%distributed\nticks = 0")
+
+        def press_stop() -> None:
+            wait_for(lambda: (cell := jobs.get_job()) is not None and not cell.done()
+                     and cell.state.ranks[0].last_line == "up", 120, "the cell to run")
+            os.kill(os.getpid(), signal.SIGINT)  # what the notebook's stop button sends
+
+        presser = threading.Thread(target=press_stop, daemon=True)
+        presser.start()
+        result = ip.run_cell("%%distributed\n"
+                             "import time\n"
+                             "print('up', flush=True)\n"
+                             "while True:\n"
+                             "    ticks += 1\n"
+                             "    time.sleep(0.01)\n")
+        presser.join()
+        err = result.error_in_exec
+        assert isinstance(err, DistributedError), repr(err)
+        assert err.reason == "cancelled" and "interrupted from the notebook" in str(err)
+        assert live.alive
+        assert other.thread.is_alive() and other.running_tasks() == 1  # untouched
+        gate.touch()
+        other.thread.join(60)
+        assert other.error is None and other.result == [42]
+        assert run(ip, "%%distributed\nticks > 0") is True
+    finally:
+        gate.touch()
+        if live.alive:
+            live.stop()
+
+
+def test_unload_puts_pysparks_stop_button_back(ip: Any, spark_local: SparkSession) -> None:
+    """%unload_ext nbdist restores pyspark's own SIGINT handler; %load_ext nbdist guards again."""
+    assert run(ip, "%%distributed -np 1 --quiet\n1") == 1  # a Spark job installs the guard
+    guard = signal.getsignal(signal.SIGINT)
+    assert getattr(guard, "_nbdist_guard", False)
+    pysparks = guard._nbdist_previous  # type: ignore[union-attr]
+    assert pysparks.__module__.startswith("pyspark")
+    try:
+        run(ip, "%unload_ext nbdist")
+        assert signal.getsignal(signal.SIGINT) is pysparks
+    finally:
+        run(ip, "%load_ext nbdist")
+    assert run(ip, "%%distributed -np 1 --quiet\n6 * 7") == 42
+    assert getattr(signal.getsignal(signal.SIGINT), "_nbdist_guard", False)
