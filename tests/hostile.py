@@ -1,0 +1,109 @@
+"""What a stranger may send to nbdist's event server: each input breaks a rule of the protocol.
+
+Shared by ``tests/test_events.py`` (a server of its own) and the fault matrix
+(``tests/faults/rows.py``: the kernel's server, local and Spark, with a real job after them).
+Loopback only; every loop here is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+
+from nbdist import events
+
+#: How to build the bytes sent, given the challenge's nonce.
+Payload = Callable[[str], bytes]
+
+
+def _hello(job_id: str, **fields: object) -> Payload:
+    def build(nonce: str) -> bytes:
+        hello = {"t": "hello", "job": job_id, "rank": 0, "mac": "0" * 64, **fields}
+        return json.dumps(hello).encode() + b"\n"
+
+    return build
+
+
+def _raw(text: bytes) -> Payload:
+    return lambda nonce: text
+
+
+def malformed(job_id: str) -> list[tuple[str, Payload]]:
+    """(what, payload) for every malformed input tried; ``job_id`` names a job the server has."""
+    head = b'{"t":"hello","job":' + json.dumps(job_id).encode()
+    cases: list[tuple[str, Payload]] = [
+        ("5000 [ (json's RecursionError)", _raw(b"[" * 5000 + b"\n")),
+        ("5000 nested objects", _raw(b'{"a":' * 5000 + b"\n")),
+        ("a mac that is not ASCII (compare_digest's TypeError)", _hello(job_id, mac="é" * 64)),
+        ("a mac with a lone surrogate", _raw(head + b',"rank":0,"mac":"\\ud800"}\n')),
+        ("a rank of 4000 digits", _raw(head + b',"rank":' + b"9" * 4000 + b',"mac":"00"}\n')),
+        ("a rank of 5000 digits (int's digit limit)",
+         _raw(head + b',"rank":' + b"9" * 5000 + b',"mac":"00"}\n')),
+        ("a rank of 1e999", _raw(head + b',"rank":1e999,"mac":"00"}\n')),
+        ("a rank of NaN", _raw(head + b',"rank":NaN,"mac":"00"}\n')),
+        ("a negative rank", _hello(job_id, rank=-1)),
+        ("a rank that is true", _hello(job_id, rank=True)),
+        ("NUL bytes", _raw(b"\x00" * 64 + b"\n")),
+        ("a NUL in the job id", _hello(job_id + "\x00")),
+        ("a raw control character in a string", _raw(head + b',"rank":0,"mac":"\x00"}\n')),
+        ("invalid UTF-8", _raw(b"\xff\xfe\xfd\n")),
+        ("an empty array", _raw(b"[]\n")),
+        ("an array of hellos", lambda nonce: b"[" + _hello(job_id)(nonce)[:-1] + b"]\n"),
+        ("a number", _raw(b"3\n")),
+        ("null", _raw(b"null\n")),
+        ("a string", _raw(b'"hello"\n')),
+        ("a line longer than MAX_HELLO_BYTES", _raw(b"x" * (events.MAX_HELLO_BYTES + 10))),
+        ("an HTTP request", _raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")),
+        ("an announced binary block before the hello", _raw(b'{"t":"x","raw":10}\n0123456789')),
+    ]
+    wrong_types: dict[str, list[object]] = {
+        "t": [None, 1, ["hello"], {"hello": 1}],
+        "job": [None, 1, [job_id], {job_id: 1}],
+        "rank": ["0", 0.0, [0], None, {"0": 0}],
+        "mac": [None, 0, ["0" * 64], {"0": 1}],
+    }
+    for field, values in wrong_types.items():
+        for value in values:
+            cases.append((f"{field}={value!r}", _hello(job_id, **{field: value})))
+    return cases
+
+
+def greet(address: tuple[str, int], timeout: float = 10) -> tuple[socket.socket, str]:
+    """A raw connection to the server, and the nonce of its challenge."""
+    sock = socket.create_connection(address, timeout=timeout)
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("closed before the challenge")
+        line += chunk
+    return sock, json.loads(line)["nonce"]
+
+
+def closed_on_us(sock: socket.socket) -> bool:
+    """True once the server closes the connection (False if it is still open after the
+    socket's timeout: the server did not deal with what it was sent)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed too
+        pass
+    return True
+
+
+def send_each(address: tuple[str, int], cases: list[tuple[str, Payload]]) -> list[str]:
+    """Send each case on a connection of its own; the cases the server did NOT close."""
+    still_open = []
+    for what, payload in cases:
+        sock, nonce = greet(address)
+        with sock:
+            try:
+                sock.sendall(payload(nonce))
+            except OSError:
+                pass  # closed while we wrote: what we check below
+            if not closed_on_us(sock):
+                still_open.append(what)
+    return still_open
