@@ -27,7 +27,7 @@ import os
 import queue
 import re
 import secrets
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -566,12 +566,15 @@ class Supervisor:
         last_sent = 0.0
         partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
         cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
-        with pipe:
+        # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
+        # pipe descriptors above select's FD_SETSIZE, which it refuses.
+        with pipe, selectors.PollSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
             while True:
                 wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
                 ready = wait is not None and wait <= 0
                 if not ready:
-                    ready = bool(select.select([fd], [], [], wait)[0])
+                    ready = bool(sel.select(wait))
                     if ready:
                         # Batching: within BATCH_S of the last send, let the pipe fill up
                         # instead of waking for every line a busy rank writes.

@@ -8,8 +8,14 @@ Loopback only; every loop here is bounded.
 from __future__ import annotations
 
 import json
+import resource
+import selectors
 import socket
+import threading
+import time
 from collections.abc import Callable
+
+import pytest
 
 from nbdist import events
 
@@ -107,3 +113,77 @@ def send_each(address: tuple[str, int], cases: list[tuple[str, Payload]]) -> lis
             if not closed_on_us(sock):
                 still_open.append(what)
     return still_open
+
+
+class more_files:
+    """Raise the soft limit of open files to at least ``n`` for a block (restored after)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.old = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = self.old
+        if soft != resource.RLIM_INFINITY and soft < self.n:
+            if hard != resource.RLIM_INFINITY and hard < self.n:
+                pytest.skip(f"needs {self.n} open files; the hard limit is {hard}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.n, hard))
+
+    def __exit__(self, *exc: object) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.old)
+
+
+class IdleStrangers:
+    """``n`` connections to ``address`` that never say hello, held while the block runs: one
+    the server cuts is replaced (at most ``n * 20`` connections and ``limit_s`` in all)."""
+
+    def __init__(self, address: tuple[str, int], n: int, limit_s: float = 120) -> None:
+        self.address, self.n, self.limit_s = address, n, limit_s
+        self.opened = self.cut = 0
+        self._stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._files = more_files(2 * n + 600)  # ours and the server's ends, in this process
+
+    def _open(self) -> None:
+        try:
+            sock = socket.create_connection(self.address, timeout=5)
+        except OSError:
+            return  # the backlog is full: the next round tries again
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ)
+        self.opened += 1
+
+    def __enter__(self) -> IdleStrangers:
+        self._files.__enter__()
+        for _ in range(self.n):
+            self._open()
+        self._thread = threading.Thread(target=self._keep, daemon=True)
+        self._thread.start()
+        return self
+
+    def _keep(self) -> None:
+        deadline = time.monotonic() + self.limit_s
+        while not self._stop.wait(0.05) and time.monotonic() < deadline:
+            for key, _ in self._sel.select(0):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    if sock.recv(65536):
+                        continue  # the challenge: left unanswered
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self._sel.unregister(sock)
+                sock.close()
+                self.cut += 1
+            while len(self._sel.get_map()) < self.n and self.opened < self.n * 20:
+                self._open()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._sel.close()
+        self._files.__exit__()

@@ -381,7 +381,7 @@ def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
     """1000 connections that never say hello are closed (by the cap, then the deadline) and
     counted; a rank connecting while they are held is served."""
     monkeypatch.setattr(events, "AUTH_DEADLINE_S", 3.0, raising=False)
-    with more_files(2600):
+    with hostile.more_files(2600):
         strangers = [socket.create_connection(server.address, timeout=30) for _ in range(1000)]
         try:
             rec, secret = Recorder(), events.new_secret()
@@ -430,7 +430,7 @@ def test_8000_connections_of_64_kb_do_not_grow_the_kernel(
 
     me = psutil.Process()
     before = peak = me.memory_info().rss
-    with more_files(8000 + 600):
+    with hostile.more_files(8000 + 600):
         attacker = subprocess.Popen(
             [sys.executable, "-c", ATTACKER, *map(str, server.address), "8000", str(64 * 1024)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -452,25 +452,3 @@ def test_8000_connections_of_64_kb_do_not_grow_the_kernel(
     grown = peak - before
     assert server.rejected == 8000, server.rejected
     assert grown < 100 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"
-
-
-class more_files:
-    """Raise the soft limit of open files to at least ``n`` for a block (restored after)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self) -> None:
-        import resource
-
-        self.old = resource.getrlimit(resource.RLIMIT_NOFILE)
-        soft, hard = self.old
-        if soft != resource.RLIM_INFINITY and soft < self.n:
-            if hard != resource.RLIM_INFINITY and hard < self.n:
-                pytest.skip(f"needs {self.n} open files; the hard limit is {hard}")
-            resource.setrlimit(resource.RLIMIT_NOFILE, (self.n, hard))
-
-    def __exit__(self, *exc: object) -> None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_NOFILE, self.old)
