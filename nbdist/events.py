@@ -65,7 +65,7 @@ AUTH_DEADLINE_S = 5.0
 #: cannot keep a rank out (its hello follows its connection at once), and the strangers hold
 #: at most ``MAX_UNAUTHENTICATED * MAX_HELLO_BYTES`` (8 MiB) of the kernel's memory.
 MAX_UNAUTHENTICATED = 512
-HELLO_GRACE_S = 1.0
+HELLO_GRACE_S = 0.5
 #: Highest rank number a hello may name.
 MAX_RANK = 2**31 - 1
 #: Longest binary block an event may announce (protocol 3, item 4 above).
@@ -127,7 +127,12 @@ def encode(event: Event) -> bytes:
 
 
 class JobChannel(Protocol):
-    """What the server calls for one job; called on the server's thread, so keep it short."""
+    """What the server calls for one job; called on the server's thread, so keep it short.
+
+    A job may also have ``block_buffer(rank, event) -> memoryview | None``: where to read the
+    binary block that ``event`` announces (exactly ``event["raw"]`` bytes), so that it lands
+    where it belongs without a copy; the event then arrives with that view as its ``data``.
+    """
 
     def on_connect(self, rank: int, hello: Event) -> None: ...
 
@@ -149,7 +154,7 @@ class _Conn:
         # A binary block being read (protocol 3): the event that announced it, its bytes, how
         # many have arrived, and how many blocks this connection has delivered in all.
         self.block_event: Event | None = None
-        self.block = bytearray()
+        self.block: bytearray | memoryview = bytearray()
         self.got = 0
         self.blocks = 0
 
@@ -425,7 +430,7 @@ class EventServer:
             size = value["raw"]
             if type(size) is not int or not 0 <= size <= MAX_BLOCK_BYTES:
                 return False
-            conn.block_event, conn.block, conn.got = value, bytearray(size), 0
+            conn.block_event, conn.block, conn.got = value, self._block_buffer(conn, value), 0
             if not size:
                 self._block_done(conn)
             return True
@@ -435,6 +440,21 @@ class EventServer:
                 return False
         self._deliver(conn, batch)
         return True
+
+    def _block_buffer(self, conn: _Conn, event: Event) -> bytearray | memoryview:
+        size: int = event["raw"]
+        entry = self._jobs.get(conn.job_id or "")
+        where = getattr(entry[1], "block_buffer", None) if entry is not None else None
+        if where is not None:
+            try:
+                view = where(conn.rank, event)
+            except Exception:
+                log.exception("nbdist: a job's block_buffer failed")
+                view = None
+            if (isinstance(view, memoryview) and view.format == "B" and view.ndim == 1
+                    and view.contiguous and not view.readonly and view.nbytes == size):
+                return view
+        return bytearray(size)
 
     def _block_done(self, conn: _Conn) -> None:
         event, data = conn.block_event, conn.block
@@ -620,9 +640,9 @@ class EventClient:
                     continue
             if len(batch) > 1:  # a heartbeat says nothing that another event does not
                 batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
-            data = _lines(batch, self.protocol >= 2)
             try:
-                self._sock.sendall(data)
+                for data in _lines(batch, self.protocol >= 2):
+                    self._sock.sendall(data)
             except OSError:
                 with self._cond:
                     self.alive = False
@@ -706,19 +726,20 @@ def _append_output(pending: list[Event], event: Event) -> bool:
     return False
 
 
-def _lines(events: list[Event], arrays: bool) -> bytes:
+def _lines(events: list[Event], arrays: bool) -> list[bytes | bytearray | memoryview]:
     """What one write carries: the events as arrays of up to ``BATCH_LINE_BYTES`` per line
     (each far below the server's ``MAX_LINE_BYTES``), or one per line for an old driver; an
     event with binary ``data`` alone on its line, ``"raw": N`` in place of the data, followed
-    by the N bytes."""
+    by the N bytes (as they are: joining them with the lines would copy them)."""
     out: list[bytes | bytearray | memoryview] = []
+    text: list[bytes] = []
     groups: list[list[bytes]] = [[]]
     size = 0
 
     def flush() -> None:
         nonlocal size
-        out.extend(b"[" + b",".join(g) + b"]\n" if len(g) > 1 else g[0] + b"\n"
-                   for g in groups if g)
+        text.extend(b"[" + b",".join(g) + b"]\n" if len(g) > 1 else g[0] + b"\n"
+                    for g in groups if g)
         groups[:] = [[]]
         size = 0
 
@@ -727,7 +748,9 @@ def _lines(events: list[Event], arrays: bool) -> bytes:
         if isinstance(data, (bytes, bytearray, memoryview)):
             flush()
             head = {k: v for k, v in e.items() if k != "data"}
-            out += [encode({**head, "raw": memoryview(data).nbytes}), data]
+            text.append(encode({**head, "raw": memoryview(data).nbytes}))
+            out += [b"".join(text), data]
+            text.clear()
             continue
         p = json.dumps(e, separators=(",", ":"), ensure_ascii=False).encode()
         if groups[-1] and (not arrays or size + len(p) > BATCH_LINE_BYTES):
@@ -736,7 +759,9 @@ def _lines(events: list[Event], arrays: bool) -> bytes:
         groups[-1].append(p)
         size += len(p) + 1
     flush()
-    return b"".join(out)
+    if text:
+        out.append(b"".join(text))
+    return out
 
 
 def _merge(pending: list[Event], event: Event) -> None:

@@ -11,10 +11,14 @@ import json
 import resource
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import psutil
 import pytest
 
 from nbdist import events
@@ -187,3 +191,76 @@ class IdleStrangers:
             key.fileobj.close()  # type: ignore[union-attr]
         self._sel.close()
         self._files.__exit__()
+
+
+def slowloris(address: tuple[str, int], every: float, limit_s: float) -> float | None:
+    """Trickle one byte every ``every`` seconds, never a newline: the seconds until the server
+    cut the connection, or None if it had not after ``limit_s``."""
+    sock, _ = greet(address)
+    start = time.monotonic()
+    with sock:
+        sock.settimeout(every)
+        while time.monotonic() - start < limit_s:
+            try:
+                sock.send(b"{")
+                if sock.recv(1) == b"":
+                    return time.monotonic() - start
+            except TimeoutError:
+                continue
+            except OSError:
+                return time.monotonic() - start
+    return None
+
+
+_ATTACKER = r"""
+import socket, sys
+host, port, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+blob = b"x" * size
+held = []
+for _ in range(n):
+    s = socket.create_connection((host, port), timeout=30)
+    s.setblocking(False)
+    try:
+        s.send(blob)
+    except OSError:
+        pass
+    held.append(s)
+print("done", flush=True)
+sys.stdin.read()  # hold them until told (or the parent goes)
+"""
+
+
+@dataclass
+class Flood:
+    peak_growth: int  # bytes: this process's peak resident memory above where it started
+    rejected: int  # connections the server closed and counted meanwhile
+    seconds: float
+
+
+def flood(server: events.EventServer, n: int, size: int, limit_s: float = 110) -> Flood:
+    """``n`` connections from a child process, each sending ``size`` bytes and no newline,
+    held until the server counted ``n`` rejections (or ``limit_s``), while this process's
+    memory (the server's) is sampled every 10 ms."""
+    me = psutil.Process()
+    before = peak = me.memory_info().rss
+    rejected = server.rejected
+    start = time.monotonic()
+    with more_files(n + 600):
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", _ATTACKER, *map(str, server.address), str(n), str(size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert attacker.stdin is not None and attacker.stdout is not None
+        reader = threading.Thread(target=attacker.stdout.readline, daemon=True)
+        reader.start()
+        try:
+            while ((reader.is_alive() or server.rejected - rejected < n)
+                   and time.monotonic() - start < limit_s):
+                peak = max(peak, me.memory_info().rss)
+                time.sleep(0.01)
+        finally:
+            attacker.stdin.close()
+            attacker.wait(30)
+            reader.join(10)
+            attacker.stdout.close()
+    return Flood(peak - before, server.rejected - rejected, time.monotonic() - start)
