@@ -85,14 +85,15 @@ def register(job: Handle) -> None:
 
 
 def retain(newest: Handle) -> None:
-    """``newest`` holds its values now: let older jobs' go beyond ``HISTORY_BYTES``."""
+    """``newest`` holds its values now: let go of those of jobs that ended before it, once
+    they and the jobs that ended after them hold more than ``HISTORY_BYTES``."""
     with _jobs_lock:
-        older = [j for j in _jobs.values() if j is not newest]
+        older = [j for j in _jobs.values() if j is not newest and j.retained_bytes()]
+    older.sort(key=lambda j: j.state.ended or 0.0, reverse=True)  # the last to end first
     total = newest.retained_bytes()
-    for job in reversed(older):  # newest first
-        size = job.retained_bytes()
-        total += size
-        if size and total > HISTORY_BYTES:
+    for job in older:
+        total += job.retained_bytes()
+        if total > HISTORY_BYTES:
             job.drop_values()
 
 
