@@ -395,3 +395,23 @@ def test_8000_connections_of_64_kb_do_not_grow_the_kernel(server: events.EventSe
     assert flooded.rejected == 8000
     assert flooded.peak_growth < 100 * 2**20, (
         f"the server grew by {flooded.peak_growth / 2**20:.0f} MiB")
+
+
+def test_a_reconnect_storm_leaves_one_connection_per_rank(server: events.EventServer) -> None:
+    """A rank reconnecting 100 times replaces its connection each time: the older ones are
+    closed on the server's side, one is left, and no descriptor is left behind."""
+    import psutil
+
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    fds_before = psutil.Process().num_fds()
+    clients = []
+    for _ in range(100):
+        clients.append(events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None))
+    wait_for(lambda: len(rec.connected) == 100, 30, "every hello")
+    wait_for(lambda: not any(c.alive for c in clients[:-1]), 30, "the replaced ones closed")
+    assert clients[-1].alive and len(server._conns) == 1 and server.rejected == 0
+    for client in clients:
+        client.close()
+    wait_for(lambda: not server._conns, 10, "the last one gone")
+    wait_for(lambda: psutil.Process().num_fds() <= fds_before, 10, "no descriptor left")
