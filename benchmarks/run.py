@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capture", "launch", "streaming", "training", "faults", "scale", "session"]
+BENCHES = ["capture", "launch", "streaming", "training", "faults", "scale", "session", "pull",
+           "hostile"]
 
 
 def main() -> int:

@@ -6,7 +6,8 @@ The tree::
      ├── NbdistError            nbdist itself could not do what was asked
      │    ├── CaptureError      a name the cell uses cannot be shipped to the ranks
      │    ├── CapacityError     more ranks than the backend can run at once
-     │    └── LaunchError       a backend could not start the ranks
+     │    ├── LaunchError       a backend could not start the ranks
+     │    └── ValuesDroppedError  a finished job's values were let go to bound memory
      ├── RuntimeError
      │    └── DistributedError  one or more ranks failed, timed out or were cancelled
      └── SyntaxError
@@ -48,6 +49,13 @@ class CellSyntaxError(SyntaxError):
 
         plain = SyntaxError(*self.args)  # formatted under its usual name
         return "".join(traceback.format_exception_only(plain)).splitlines()
+
+
+class ValuesDroppedError(NbdistError):
+    """A finished job's values were let go to bound the kernel's memory (``job.HISTORY_BYTES``)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class CaptureWarning(UserWarning):

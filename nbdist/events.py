@@ -2,16 +2,21 @@
 
 A small authenticated JSON-lines protocol over TCP; nothing on it is ever unpickled.
 
-1. The server sends ``{"t": "challenge", "nonce": HEX, "v": 1}``.
+1. The server sends ``{"t": "challenge", "nonce": HEX, "v": 3}``.
 2. The client answers ``{"t": "hello", "job": ID, "rank": R, "mac": HMAC, ...}`` where HMAC is
    HMAC-SHA256 of ``"{nonce}:{job}:{rank}"`` keyed by the job's secret. The secret travels with
    the payload (pipe or Spark closure), never on this channel; the nonce makes a recorded hello
-   useless on another connection. A connection that does not prove the secret is closed and
-   counted in :attr:`EventServer.rejected`.
+   useless on another connection. A connection that does not prove the secret within
+   ``AUTH_DEADLINE_S``, in at most ``MAX_HELLO_BYTES``, is closed and counted in
+   :attr:`EventServer.rejected`; so is one that breaks any rule of the protocol, whatever it
+   sent: handling one connection never stops the server.
 3. Then both sides send one JSON value per line: an event object, or (rank → driver, from
    protocol version 2) an array of event objects sent together. Rank → driver: output batches,
    progress, metrics, state changes, heartbeats. Driver → rank: the rendezvous answer
    (``world``) and ``cancel``.
+4. From protocol version 3, an event (alone on its line) with ``"raw": N`` is followed by N
+   raw bytes (at most ``MAX_BLOCK_BYTES``), handed to the job as the event's ``data``: how a
+   session cell's value travels in pieces without base64 or JSON (``nbdist.values``).
 
 The driver pays per write it reads (a wake-up, a read, a parse), far more than per event in
 it, so clients coalesce. An event after a quiet spell goes at once; what follows goes in the
@@ -30,6 +35,7 @@ This module runs on ranks too: standard library only.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -45,9 +51,29 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
-#: Longest line accepted before authentication (the hello).
-MAX_HELLO_BYTES = 64 * 1024
+PROTOCOL_VERSION = 3
+#: Longest line accepted before authentication (the hello, a few hundred bytes).
+MAX_HELLO_BYTES = 16 * 1024
+#: A connection must send its hello this soon after it is accepted, or it is closed (and
+#: counted in ``rejected``). A rank sends its hello as soon as it reads the challenge; a
+#: stranger that connects and says nothing, or trickles a byte a second (slowloris), holds a
+#: descriptor and at most ``MAX_HELLO_BYTES`` for no longer than this.
+AUTH_DEADLINE_S = 5.0
+#: Most connections waiting for their hello at once. A connection beyond it closes the one that
+#: has waited longest (counted in ``rejected``), once that one had ``HELLO_GRACE_S`` to say
+#: hello; until then new connections wait in the listen backlog. So a flood of strangers
+#: cannot keep a rank out (its hello follows its connection at once), and the strangers hold
+#: at most ``MAX_UNAUTHENTICATED * MAX_HELLO_BYTES`` (8 MiB) of the kernel's memory.
+MAX_UNAUTHENTICATED = 512
+HELLO_GRACE_S = 0.5
+#: Highest rank number a hello may name.
+MAX_RANK = 2**31 - 1
+#: Longest binary block an event may announce (protocol 3, item 4 above).
+MAX_BLOCK_BYTES = 16 * 1024 * 1024
+#: Most bytes of binary blocks read from one connection per wake-up. Blocks (a value being
+#: pulled) are read as fast as they come, not one ``READ_BYTES`` per paced wake-up, but one
+#: rank's transfer does not keep the server from the other connections for long.
+BLOCK_BYTES_PER_WAKE = 64 * 1024 * 1024
 #: Longest line accepted after it; the supervisor cuts output lines far below this.
 MAX_LINE_BYTES = 16 * 1024 * 1024
 #: Most bytes read from a connection at once, into one buffer the server reuses: a fresh
@@ -101,7 +127,12 @@ def encode(event: Event) -> bytes:
 
 
 class JobChannel(Protocol):
-    """What the server calls for one job; called on the server's thread, so keep it short."""
+    """What the server calls for one job; called on the server's thread, so keep it short.
+
+    A job may also have ``block_buffer(rank, event) -> memoryview | None``: where to read the
+    binary block that ``event`` announces (exactly ``event["raw"]`` bytes), so that it lands
+    where it belongs without a copy; the event then arrives with that view as its ``data``.
+    """
 
     def on_connect(self, rank: int, hello: Event) -> None: ...
 
@@ -114,10 +145,18 @@ class _Conn:
     def __init__(self, sock: socket.socket, nonce: str) -> None:
         self.sock = sock
         self.nonce = nonce
+        self.accepted = time.monotonic()
         self.buf = bytearray()
         self.job_id: str | None = None
         self.rank = -1
         self.lock = threading.Lock()
+        self.closed = False
+        # A binary block being read (protocol 3): the event that announced it, its bytes, how
+        # many have arrived, and how many blocks this connection has delivered in all.
+        self.block_event: Event | None = None
+        self.block: bytearray | memoryview = bytearray()
+        self.got = 0
+        self.blocks = 0
 
 
 class EventServer:
@@ -137,14 +176,18 @@ class EventServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._rbuf = bytearray(READ_BYTES)
+        self._rview = memoryview(self._rbuf)
         self._pace = SEND_EVERY_S  # the write interval last told to the clients
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._jobs: dict[str, tuple[str, JobChannel]] = {}
         self._conns: dict[tuple[str, int], _Conn] = {}
+        #: Connections that have not said hello yet, oldest first (the server's thread only).
+        self._waiting: dict[_Conn, None] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        #: Connections closed because they failed authentication or spoke garbage.
+        #: Connections closed because they failed authentication, broke the protocol, or
+        #: waited too long (or among too many others) to authenticate.
         self.rejected = 0
         self._thread = threading.Thread(target=self._loop, name="nbdist-events", daemon=True)
         self._thread.start()
@@ -194,42 +237,97 @@ class EventServer:
 
     def _loop(self) -> None:
         while not self._closed.is_set():
-            ready = self._sel.select(timeout=1.0)
-            woke = time.monotonic()
-            for key, _ in ready:
-                if key.data is None:
-                    self._accept()
-                elif key.data == "wake":
-                    self._wake_r.recv(64)
-                else:
-                    self._read(key.data)
-            if ready:
-                # Let what arrives in the meantime pile up, to be read in one go.
-                wait = min(MAX_PACE_S, max(PACE_S, self._pace / 4))
-                time.sleep(max(0.0, woke + wait - time.monotonic()))
+            try:
+                self._turn()
+            except Exception:  # nbdist's own bug: every job's channel depends on this thread
+                log.exception("nbdist: the event server hit an error; it goes on serving")
+                time.sleep(0.1)
+
+    def _turn(self) -> None:
+        ready = self._sel.select(timeout=self._timeout())
+        woke = time.monotonic()
+        listener = False
+        for key, _ in ready:
+            if key.data is None:
+                listener = True
+            elif key.data == "wake":
+                self._wake_r.recv(64)
+            else:
+                self._serve(key.data)
+        if listener:
+            # After the reads: hellos that arrived meanwhile leave the waiting list before new
+            # connections count against MAX_UNAUTHENTICATED.
+            self._accept()
+        self._expire()
+        if ready:
+            # Let what arrives in the meantime pile up, to be read in one go.
+            wait = min(MAX_PACE_S, max(PACE_S, self._pace / 4))
+            time.sleep(max(0.0, woke + wait - time.monotonic()))
+
+    def _timeout(self) -> float:
+        """How long the loop may wait: until the oldest waiting connection's deadline."""
+        for conn in self._waiting:
+            due = conn.accepted + AUTH_DEADLINE_S - time.monotonic()
+            return min(1.0, max(0.0, due) + 0.001)
+        return 1.0
 
     def _accept(self) -> None:
         # Every connection waiting, not one per wake-up: with the loop paced, 256 ranks
         # connecting at once would otherwise take 256 wake-ups.
         while True:
+            if len(self._waiting) >= MAX_UNAUTHENTICATED and not self._evict():
+                return  # full of connections that just came: the rest wait in the backlog
             try:
                 sock, _ = self._listener.accept()
-            except OSError:  # BlockingIOError: none left
+            except BlockingIOError:  # none left
                 return
-            sock.setblocking(True)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._evict():
+                    continue  # out of descriptors: a stranger made room
+                return  # out of descriptors with no stranger to blame; the next wake-up retries
             conn = _Conn(sock, secrets.token_hex(16))
             try:
-                sock.sendall(encode({"t": "challenge", "nonce": conn.nonce,
-                                     "v": PROTOCOL_VERSION}))
+                sock.setblocking(True)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                challenge = encode({"t": "challenge", "nonce": conn.nonce,
+                                    "v": PROTOCOL_VERSION})
+                # Never blocks: a peer that does not read could otherwise stall the server.
+                if sock.send(challenge, socket.MSG_DONTWAIT) != len(challenge):
+                    raise BlockingIOError
             except OSError:
                 sock.close()
                 continue
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._waiting[conn] = None
+
+    def _evict(self) -> bool:
+        """Close the connection that has waited longest for its hello, if it had its chance."""
+        for conn in self._waiting:
+            if time.monotonic() - conn.accepted < HELLO_GRACE_S:
+                return False
+            self._drop(conn, rejected=True)
+            return True
+        return False
+
+    def _expire(self) -> None:
+        """Close the connections that did not say hello in time."""
+        now = time.monotonic()
+        while self._waiting:
+            conn = next(iter(self._waiting))
+            if conn.accepted + AUTH_DEADLINE_S > now:
+                return
+            # Its hello may be there unread (a starved server thread): read what is there.
+            self._serve(conn, socket.MSG_DONTWAIT)
+            if conn in self._waiting:
+                self._drop(conn, rejected=True)
 
     def _drop(self, conn: _Conn, *, rejected: bool) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
         if rejected:
             self.rejected += 1
+        self._waiting.pop(conn, None)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -243,82 +341,160 @@ class EventServer:
                 del self._conns[key]
             entry = self._jobs.get(conn.job_id)
         if entry is not None:
-            entry[1].on_disconnect(conn.rank)
+            try:
+                entry[1].on_disconnect(conn.rank)
+            except Exception:
+                log.exception("nbdist: a job's disconnect handler failed")
         self._repace()
 
-    def _read(self, conn: _Conn) -> None:
-        buf = self._rbuf
+    def _serve(self, conn: _Conn, flags: int = 0) -> None:
+        """Read from one connection; whatever goes wrong closes it, never the server."""
+        if conn.closed:
+            return
         try:
-            n = conn.sock.recv_into(buf)
-        except OSError:
-            n = 0
-        if not n:
-            self._drop(conn, rejected=False)
-            return
-        limit = MAX_LINE_BYTES if conn.job_id is not None else MAX_HELLO_BYTES
-        end = buf.rfind(b"\n", 0, n)
-        if end < 0:  # no message ends here: keep the piece for the next read
-            conn.buf += buf[:n]
-            if len(conn.buf) > limit:
-                self._drop(conn, rejected=True)
-            return
-        try:  # decoded in one piece: what ends at a newline ends at a character boundary
-            if conn.buf:
-                conn.buf += buf[:end]
-                text = conn.buf.decode()
-            else:
-                text = buf[:end].decode()
-        except UnicodeDecodeError:
+            self._read(conn, flags)
+        except Exception:  # RecursionError from json, a hello of the wrong types, ...
+            log.debug("nbdist: closing an event connection that broke the protocol",
+                      exc_info=True)
             self._drop(conn, rejected=True)
-            return
-        conn.buf = buf[end + 1:n]
-        for line in text.split("\n"):
-            if not line:
-                continue
-            if len(line) > limit or not self._handle(conn, line):
-                self._drop(conn, rejected=True)
+
+    def _read(self, conn: _Conn, flags: int) -> None:
+        budget = BLOCK_BYTES_PER_WAKE
+        blocks = conn.blocks
+        while True:
+            if conn.block_event is not None:  # straight into the block, without a copy
+                view = memoryview(conn.block)[conn.got:]
+                n = _recv(conn.sock, view, len(view), flags)
+                if n is None:
+                    return
+                if n:
+                    conn.got += n
+                    if conn.got == len(conn.block):
+                        self._block_done(conn)
+            else:
+                # Before the hello, never more than a hello may hold.
+                size = READ_BYTES if conn.job_id is not None else (
+                    MAX_HELLO_BYTES + 1 - len(conn.buf))
+                n = _recv(conn.sock, self._rbuf, size, flags)
+                if n is None:
+                    return
+                if n and not self._consume(conn, n):
+                    self._drop(conn, rejected=True)
+                    return
+            if not n:
+                self._drop(conn, rejected=False)
                 return
+            budget -= n
+            # Ordinary lines: one read per wake-up (see PACE_S). Blocks: on while they come.
+            if conn.closed or budget <= 0 or (conn.block_event is None and conn.blocks == blocks):
+                return
+            flags = socket.MSG_DONTWAIT
+
+    def _consume(self, conn: _Conn, n: int) -> bool:
+        """Handle ``n`` bytes just read: whole lines, and what belongs to a binary block."""
+        buf, view = self._rbuf, self._rview
+        pos = 0
+        while pos < n:
+            if conn.block_event is not None:
+                take = min(len(conn.block) - conn.got, n - pos)
+                conn.block[conn.got:conn.got + take] = view[pos:pos + take]
+                conn.got += take
+                pos += take
+                if conn.got == len(conn.block):
+                    self._block_done(conn)
+                continue
+            limit = MAX_LINE_BYTES if conn.job_id is not None else MAX_HELLO_BYTES
+            end = buf.find(b"\n", pos, n)
+            if end < 0:  # no line ends here: keep the piece for the next read
+                if len(conn.buf) + n - pos > limit:
+                    return False
+                conn.buf += view[pos:n]
+                return True
+            line: bytearray | memoryview
+            if conn.buf:
+                conn.buf += view[pos:end]
+                line, conn.buf = conn.buf, bytearray()
+            else:
+                line = view[pos:end]
+            pos = end + 1
+            # A line ends at a newline, so at a character boundary: it decodes on its own.
+            if line and (len(line) > limit or not self._handle(conn, str(line, "utf-8"))):
+                return False
+        return True
 
     def _handle(self, conn: _Conn, line: str) -> bool:
-        try:
-            value = _decode(line)
-        except ValueError:
-            return False
+        value = _decode(line)
         if conn.job_id is None:
             return isinstance(value, dict) and self._hello(conn, value)
+        if isinstance(value, dict) and "raw" in value:
+            size = value["raw"]
+            if type(size) is not int or not 0 <= size <= MAX_BLOCK_BYTES:
+                return False
+            conn.block_event, conn.block, conn.got = value, self._block_buffer(conn, value), 0
+            if not size:
+                self._block_done(conn)
+            return True
         batch = value if isinstance(value, list) else [value]
         for event in batch:  # a plain loop: a generator here costs more than the check
-            if not isinstance(event, dict):
+            if not isinstance(event, dict) or "raw" in event:
                 return False
-        entry = self._jobs.get(conn.job_id)  # one dict read, atomic: no need for the lock
+        self._deliver(conn, batch)
+        return True
+
+    def _block_buffer(self, conn: _Conn, event: Event) -> bytearray | memoryview:
+        size: int = event["raw"]
+        entry = self._jobs.get(conn.job_id or "")
+        where = getattr(entry[1], "block_buffer", None) if entry is not None else None
+        if where is not None:
+            try:
+                view = where(conn.rank, event)
+            except Exception:
+                log.exception("nbdist: a job's block_buffer failed")
+                view = None
+            if (isinstance(view, memoryview) and view.format == "B" and view.ndim == 1
+                    and view.contiguous and not view.readonly and view.nbytes == size):
+                return view
+        return bytearray(size)
+
+    def _block_done(self, conn: _Conn) -> None:
+        event, data = conn.block_event, conn.block
+        assert event is not None
+        conn.block_event, conn.block, conn.got = None, bytearray(), 0
+        conn.blocks += 1
+        del event["raw"]
+        event["data"] = data
+        self._deliver(conn, [event])
+
+    def _deliver(self, conn: _Conn, batch: list[Event]) -> None:
+        entry = self._jobs.get(conn.job_id or "")  # one dict read, atomic: no need for the lock
         if entry is not None:
             for event in batch:
                 try:
                     entry[1].on_event(conn.rank, event)
                 except Exception:  # a bad event must not kill the channel for every job
                     log.exception("nbdist: event handler failed for %r", event.get("t"))
-        return True
 
     def _hello(self, conn: _Conn, event: Event) -> bool:
         job_id, rank, mac = event.get("job"), event.get("rank"), event.get("mac")
-        if event.get("t") != "hello" or not isinstance(job_id, str) or not isinstance(rank, int):
-            return False
+        if (event.get("t") != "hello" or not isinstance(job_id, str) or type(rank) is not int
+                or not 0 <= rank <= MAX_RANK or not isinstance(mac, str) or not mac.isascii()):
+            return False  # (compare_digest raises on a str that is not ASCII)
         with self._lock:
+            # Checked and registered at once: a job removed in between would otherwise keep
+            # this connection open with nobody to close it.
             entry = self._jobs.get(job_id)
-        if entry is None or not isinstance(mac, str):
-            return False
-        secret, channel = entry
-        if not hmac.compare_digest(mac, sign(secret, conn.nonce, job_id, rank)):
-            return False
-        conn.job_id, conn.rank = job_id, rank
-        with self._lock:
+            if entry is None or not hmac.compare_digest(
+                    mac, sign(entry[0], conn.nonce, job_id, rank)):
+                return False
+            conn.job_id, conn.rank = job_id, rank
             old = self._conns.get((job_id, rank))
             self._conns[(job_id, rank)] = conn
+        self._waiting.pop(conn, None)
         if old is not None:  # a reconnect replaces the old connection
             self._wake_close(old)
         if not self._repace() and self._pace > SEND_EVERY_S:
             self._tell(conn, {"t": "pace", "every": self._pace})
-        channel.on_connect(rank, event)
+        entry[1].on_connect(rank, event)
         return True
 
     def _repace(self) -> bool:
@@ -339,6 +515,16 @@ class EventServer:
                 conn.sock.sendall(encode(event))
         except OSError:
             pass  # the connection is going; its read will say so
+
+
+def _recv(sock: socket.socket, buf: bytearray | memoryview, size: int, flags: int) -> int | None:
+    """Bytes read into ``buf`` (0: the peer closed or reset), None if none are there now."""
+    try:
+        return sock.recv_into(buf, size, flags)
+    except BlockingIOError:
+        return None
+    except OSError:  # reset by the peer
+        return 0
 
 
 class EventClient:
@@ -380,8 +566,10 @@ class EventClient:
             self._reader.close()
             self._sock.close()
             raise
-        # A driver from before protocol 2 takes one event per line.
-        self._arrays = isinstance(challenge.get("v"), int) and challenge["v"] >= 2
+        version = challenge.get("v")
+        #: The server's protocol version: before 2 it takes one event per line; from 3 an
+        #: event may carry binary ``data`` (see the module docstring).
+        self.protocol = version if isinstance(version, int) else 1
         self._pending: list[Event] = []
         self._pending_bytes = 0
         self._urgent = False  # something in _pending must go without waiting LAZY_S
@@ -397,13 +585,21 @@ class EventClient:
         self._sender.start()
 
     def send(self, event: Event) -> bool:
-        """Queue ``event`` for the driver; False (and counted) when the channel is down."""
+        """Queue ``event`` for the driver; False (and counted) when the channel is down.
+
+        An event whose ``data`` is bytes (at most ``MAX_BLOCK_BYTES``) travels as a binary
+        block, to a server of protocol 3 or later (False and counted otherwise).
+        """
         kind = event.get("t")
         size = len(event.get("text") or "") + 100  # what matters is the output text
+        data = event.get("data")
+        binary = isinstance(data, (bytes, bytearray, memoryview))
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            size += memoryview(data).nbytes
         with self._cond:
             while self._pending_bytes > MAX_PENDING_BYTES and self.alive:
                 self._cond.wait()  # the driver is behind: wait rather than pile up
-            if not self.alive:
+            if not self.alive or (binary and self.protocol < 3):
                 self.dropped += 1
                 return False
             if not self._pending:
@@ -444,9 +640,9 @@ class EventClient:
                     continue
             if len(batch) > 1:  # a heartbeat says nothing that another event does not
                 batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
-            data = _lines(batch, self._arrays)
             try:
-                self._sock.sendall(data)
+                for data in _lines(batch, self.protocol >= 2):
+                    self._sock.sendall(data)
             except OSError:
                 with self._cond:
                     self.alive = False
@@ -530,22 +726,42 @@ def _append_output(pending: list[Event], event: Event) -> bool:
     return False
 
 
-def _lines(events: list[Event], arrays: bool) -> bytes:
+def _lines(events: list[Event], arrays: bool) -> list[bytes | bytearray | memoryview]:
     """What one write carries: the events as arrays of up to ``BATCH_LINE_BYTES`` per line
-    (each far below the server's ``MAX_LINE_BYTES``), or one per line for an old driver."""
-    parts = [json.dumps(e, separators=(",", ":"), ensure_ascii=False).encode() for e in events]
-    if not arrays:
-        return b"".join(p + b"\n" for p in parts)
+    (each far below the server's ``MAX_LINE_BYTES``), or one per line for an old driver; an
+    event with binary ``data`` alone on its line, ``"raw": N`` in place of the data, followed
+    by the N bytes (as they are: joining them with the lines would copy them)."""
+    out: list[bytes | bytearray | memoryview] = []
+    text: list[bytes] = []
     groups: list[list[bytes]] = [[]]
     size = 0
-    for p in parts:
-        if groups[-1] and size + len(p) > BATCH_LINE_BYTES:
+
+    def flush() -> None:
+        nonlocal size
+        text.extend(b"[" + b",".join(g) + b"]\n" if len(g) > 1 else g[0] + b"\n"
+                    for g in groups if g)
+        groups[:] = [[]]
+        size = 0
+
+    for e in events:
+        data = e.get("data")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            flush()
+            head = {k: v for k, v in e.items() if k != "data"}
+            text.append(encode({**head, "raw": memoryview(data).nbytes}))
+            out += [b"".join(text), data]
+            text.clear()
+            continue
+        p = json.dumps(e, separators=(",", ":"), ensure_ascii=False).encode()
+        if groups[-1] and (not arrays or size + len(p) > BATCH_LINE_BYTES):
             groups.append([])
             size = 0
         groups[-1].append(p)
         size += len(p) + 1
-    return b"".join(b"[" + b",".join(g) + b"]\n" if len(g) > 1 else g[0] + b"\n"
-                    for g in groups)
+    flush()
+    if text:
+        out.append(b"".join(text))
+    return out
 
 
 def _merge(pending: list[Event], event: Event) -> None:

@@ -21,13 +21,18 @@ from typing import Any, Protocol
 import cloudpickle
 
 from nbdist import events, state
-from nbdist.errors import DistributedError, LaunchError, OutputLostWarning
+from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Launcher, LaunchRequest, payload_modules
 from nbdist.rank import RankOutcome
 from nbdist.world import Hello, plan_world
 
 #: Finished jobs kept for %dist_status; older ones are forgotten.
 HISTORY = 50
+#: What finished jobs keep of their values (``.result()``, ``.results``), in bytes of pickled
+#: size, in all: the values of the job that ended last are always kept; an older job's are let
+#: go once the jobs after it hold more than this. Such a job stays in %dist_status, and its
+#: ``.result()`` raises :class:`~nbdist.errors.ValuesDroppedError` saying how to keep a value.
+HISTORY_BYTES = 256 * 2**20
 #: How long a cancel may take before the job is declared over anyway.
 TEARDOWN_S = 15.0
 #: How long a finished job waits for its ranks' event channels to drain (their last lines).
@@ -134,6 +139,14 @@ class Handle(Protocol):
     @property
     def error(self) -> BaseException | None: ...
 
+    def retained_bytes(self) -> int:
+        """Pickled size of the values it holds (0 when it holds none)."""
+        ...
+
+    def drop_values(self) -> None:
+        """Let its values go (see ``HISTORY_BYTES``)."""
+        ...
+
 
 _jobs: OrderedDict[str, Handle] = OrderedDict()
 _jobs_lock = threading.Lock()
@@ -145,6 +158,29 @@ def register(job: Handle) -> None:
         _jobs[job.id] = job
         while len(_jobs) > HISTORY:
             _jobs.popitem(last=False)
+
+
+def retain(newest: Handle) -> None:
+    """``newest`` holds its values now: let go of those of jobs that ended before it, once
+    they and the jobs that ended after them hold more than ``HISTORY_BYTES``."""
+    with _jobs_lock:
+        older = [j for j in _jobs.values() if j is not newest and j.retained_bytes()]
+    older.sort(key=lambda j: j.state.ended or 0.0, reverse=True)  # the last to end first
+    total = newest.retained_bytes()
+    for job in older:
+        total += job.retained_bytes()
+        if total > HISTORY_BYTES:
+            job.drop_values()
+
+
+def dropped_error(job_id: str) -> ValuesDroppedError:
+    """What ``.result()`` says of a job whose values were let go."""
+    return ValuesDroppedError(
+        f"job {job_id}'s values were let go to bound the kernel's memory: the jobs after it "
+        f"hold more than {HISTORY_BYTES / 2**20:g} MiB of values (nbdist.job.HISTORY_BYTES). "
+        f"To keep a value, take it when the job ends (x = job.result(), or %%distributed "
+        f"-o VAR for every rank's), or raise nbdist.job.HISTORY_BYTES."
+    )
 
 
 def jobs() -> list[Handle]:
@@ -237,6 +273,8 @@ class Job:
         self._drained = threading.Condition(self._lock)
         self._done = threading.Event()
         self._results: list[Any] = []
+        self._size = 0  # pickled size of _results
+        self._dropped = False
         self._error: BaseException | None = None
         self._lost: str | None = None  # what output never reached the notebook, in words
         self._warned = False
@@ -303,6 +341,10 @@ class Job:
                     self._first_failure = rank
             if first:
                 self._cancel(f"rank {rank} failed")
+
+    def block_buffer(self, rank: int, event: events.Event) -> memoryview | None:
+        """Where a binary block goes (``events.JobChannel``); a plain job takes none."""
+        return None
 
     def on_disconnect(self, rank: int) -> None:
         with self._lock:
@@ -372,6 +414,10 @@ class Job:
                 self._results = [self._load(o) for o in outcomes]
             except DistributedError as exc:
                 error = exc
+            else:
+                self._size = sum(len(o.result or b"") for o in outcomes)
+        for o in outcomes:
+            o.result = None  # the values are kept, not their pickles too
         self._lost = _lost_output(outcomes)
         if self._lost is not None and isinstance(error, DistributedError):
             error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
@@ -382,6 +428,8 @@ class Job:
         )
         self.state.finish(final, str(error) if error is not None else self._lost or "")
         self._done.set()
+        if self._size:
+            retain(self)
 
     def _load(self, outcome: RankOutcome) -> Any:
         try:
@@ -457,6 +505,8 @@ class Job:
             raise TimeoutError(f"job {self.id} is still running after {timeout} s")
         if self._error is not None:
             raise self._error
+        if self._dropped:
+            raise dropped_error(self.id)
         if self._lost is not None and not self._warned:
             self._warned = True
             warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
@@ -471,6 +521,14 @@ class Job:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    def retained_bytes(self) -> int:
+        return self._size
+
+    def drop_values(self) -> None:
+        self._dropped = True
+        self._results, self._size = [], 0
+        self.state.values_dropped = True
 
     @property
     def lost_output(self) -> str | None:

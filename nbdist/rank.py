@@ -20,13 +20,11 @@ from __future__ import annotations
 import base64
 import codecs
 import collections
-import hashlib
-import hmac
 import json
 import os
 import queue
 import secrets
-import select
+import selectors
 import signal
 import subprocess
 import sys
@@ -36,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from nbdist import events, runtime, state
+from nbdist import events, runtime, state, values
 from nbdist.world import Hello, plan_world
 
 #: Output lines longer than this are cut (the rest is counted, not sent).
@@ -60,9 +58,9 @@ DRIVER_CHECK_S = 0.5
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
 TAIL_LINES = 20
-#: A session cell's value travels to the driver in pieces of this many base64 characters,
-#: well below the event server's longest line.
-RESULT_CHUNK = 4 * 1024 * 1024
+#: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
+#: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
+PIECES_QUEUED = 2
 #: How long a session cell's value waits for the cell's last output to be forwarded first.
 SYNC_WAIT_S = 2.0
 
@@ -134,6 +132,7 @@ class RankProcess:
         self.frames: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
         #: Set once the modules of a warm-up are imported.
         self.warm = threading.Event()
+        self._room = threading.Semaphore(PIECES_QUEUED)
         threading.Thread(
             target=self._read, args=(os.fdopen(ctl_out_r, "rb"),), daemon=True
         ).start()
@@ -141,6 +140,8 @@ class RankProcess:
     def _read(self, f: Any) -> None:
         with f:
             while (frame := runtime.read_frame(f)) is not None:
+                if frame[0] == runtime.PIECE:
+                    self._room.acquire()  # released by piece_done, once forwarded
                 if frame[0] == runtime.EVENT and b'"warm"' in frame[1]:
                     try:
                         if json.loads(frame[1]).get("t") == "warm":
@@ -149,6 +150,10 @@ class RankProcess:
                         pass
                 self.frames.put(frame)
         self.frames.put(None)
+
+    def piece_done(self) -> None:
+        """A ``PIECE`` frame taken from ``frames`` was dealt with: room for the next one."""
+        self._room.release()
 
     @property
     def pid(self) -> int:
@@ -291,6 +296,8 @@ class Supervisor:
         self._synced = {"o": 0, "e": 0}
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
+        self._signer: Any = None  # the running HMAC of the session value being forwarded
+        self._refused: str | None = None  # why a session value cannot go to this driver
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
 
     # -- driver messages -----------------------------------------------------------------------
@@ -455,6 +462,7 @@ class Supervisor:
             outcome.status = "done"
         elif self._cancelled.is_set() and self._error is None:
             outcome.status = "cancelled"
+        self._result = None  # the outcome has it: the launcher may keep this supervisor
         self._send(t="state", state=outcome.status, exit=code)
         outcome.dropped_events, outcome.lost_lines = self._dropped, self._lost_lines
         outcome.channel_error = self._channel_error
@@ -517,10 +525,15 @@ class Supervisor:
                     continue
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
+                    if self.spec.session:
+                        self._cell_value(event)
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._send(**event)
+            elif kind == runtime.PIECE:
+                self._cell_piece(body)
+                rp.piece_done()
             elif self.spec.session and kind in (runtime.RESULT, runtime.ERROR):
                 self._cell_ended(kind, body)
             elif kind == runtime.RESULT:
@@ -528,27 +541,52 @@ class Supervisor:
             elif kind == runtime.ERROR:
                 self._error = json.loads(body)
 
-    def _cell_ended(self, kind: int, body: bytes) -> None:
-        """Send a session cell's value or error to the driver, after the cell's output."""
-        cell, self._cell = self._cell, None
-        self._cells_ended += 1  # the rank wrote one marker per stream before this frame
+    def _cell_output_sent(self) -> None:
+        """Wait (at most ``SYNC_WAIT_S``) until the session cell's output went to the driver:
+        the rank wrote a sync marker on each stream before its value or error."""
+        self._cells_ended += 1
         with self._sync_cond:
             want = self._cells_ended
             self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
+
+    def _cell_value(self, event: dict[str, Any]) -> None:
+        """A session cell's value follows in pieces (``nbdist.values``): announce it."""
+        self._cell_output_sent()
+        sizes = [int(s) for s in event.get("sizes") or ()]
+        client = self._client
+        if client is not None and client.protocol < 3:
+            self._signer = None
+            self._refused = (
+                f"rank {self.spec.rank}'s nbdist is newer than the notebook's (event protocol "
+                f"{client.protocol}, values need 3): install the same nbdist version on both"
+            )
+            return
+        self._signer = values.signer(self.spec.secret, self._cell or 0, sizes)
+        self._send(t="cell_value", cell=self._cell, sizes=sizes, type=self._result_type)
+
+    def _cell_piece(self, piece: bytes) -> None:
+        if self._signer is not None:
+            self._signer.update(piece)
+            self._send(t="cell_data", cell=self._cell, data=piece)
+
+    def _cell_ended(self, kind: int, body: bytes) -> None:
+        """Send the end of a session cell to the driver: its error, or its value's signature
+        (after the value's pieces)."""
+        cell, self._cell = self._cell, None
+        signer, self._signer = self._signer, None
+        refused, self._refused = self._refused, None
         rp = self._rp
         rss = _rss(rp.pid) if rp is not None else None  # what the cell left, for %dist_session
         if kind == runtime.ERROR:
+            self._cell_output_sent()
             self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
-            return
-        # Signed with the session's secret, and checked before the driver unpickles it.
-        mac = hmac.new(bytes.fromhex(self.spec.secret), f"{cell}:".encode() + body,
-                       hashlib.sha256).hexdigest()
-        text = base64.b64encode(body).decode()
-        for start in range(0, max(len(text), 1), RESULT_CHUNK):
-            last = start + RESULT_CHUNK >= len(text)
-            self._send(t="cell_result", cell=cell, data=text[start:start + RESULT_CHUNK],
-                       more=not last, type=self._result_type, mac=mac if last else None,
-                       rss=rss)
+        elif signer is None:
+            self._send(t="cell_error", cell=cell, rss=rss, error={
+                "type": "RuntimeError", "traceback": "",
+                "message": refused or "the cell's value was not announced"})
+        else:
+            self._send(t="cell_result", cell=cell, type=self._result_type,
+                       mac=signer.hexdigest(), rss=rss)
 
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -565,12 +603,15 @@ class Supervisor:
         last_sent = 0.0
         partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
         cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
-        with pipe:
+        # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
+        # pipe descriptors above select's FD_SETSIZE, which it refuses.
+        with pipe, selectors.PollSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
             while True:
                 wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
                 ready = wait is not None and wait <= 0
                 if not ready:
-                    ready = bool(select.select([fd], [], [], wait)[0])
+                    ready = bool(sel.select(wait))
                     if ready:
                         # Batching: within BATCH_S of the last send, let the pipe fill up
                         # instead of waking for every line a busy rank writes.

@@ -35,6 +35,8 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
+from nbdist import values  # standard library only
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
@@ -43,7 +45,9 @@ _HEADER = struct.Struct(">IB")
 PAYLOAD = ord("P")  # supervisor → rank: a pickled payload dict
 QUIT = ord("Q")  # supervisor → rank: no more payloads
 EVENT = ord("E")  # rank → supervisor: a JSON event
-RESULT = ord("R")  # rank → supervisor: the pickled value of a payload
+RESULT = ord("R")  # rank → supervisor: the pickled value of a payload (a session's: empty,
+# after the value's pieces)
+PIECE = ord("B")  # rank → supervisor: a piece of a session cell's value (nbdist.values)
 ERROR = ord("X")  # rank → supervisor: JSON {type, message, traceback}
 ENV = ord("V")  # supervisor → rank: JSON {env, cwd}, set before the next payload runs
 WARM = ord("W")  # supervisor → rank: JSON list of modules to import while waiting
@@ -53,7 +57,7 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 T = TypeVar("T")
 
 
-def write_frame(f: BinaryIO, kind: int, body: bytes) -> None:
+def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview) -> None:
     f.write(_HEADER.pack(len(body), kind))
     f.write(body)
     f.flush()
@@ -78,7 +82,7 @@ class _Channel:
         self._f = f
         self._lock = threading.Lock()
 
-    def send(self, kind: int, body: bytes) -> None:
+    def send(self, kind: int, body: bytes | memoryview) -> None:
         with self._lock:
             write_frame(self._f, kind, body)
 
@@ -682,7 +686,9 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
         if payload.get("session"):
             _mark_synced()
         try:
-            body = cloudpickle.dumps(value)
+            # A session's value goes in pieces (``%dist_pull`` of a large one: nbdist.values).
+            segments = values.dumps(value) if payload.get("session") else [
+                memoryview(cloudpickle.dumps(value))]
         except Exception as exc:
             chan.send(ERROR, json.dumps({
                 "type": "PicklingError",
@@ -694,8 +700,17 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             # The type travels apart from the value, so a driver that cannot unpickle the
             # value can still say what it was.
             kind = type(value)
-            chan.event(t="result", type=f"{kind.__module__}.{kind.__qualname__}")
-            chan.send(RESULT, body)
+            name = f"{kind.__module__}.{kind.__qualname__}"
+            if payload.get("session"):
+                chan.event(t="result", type=name, sizes=[s.nbytes for s in segments])
+                for seg in segments:
+                    for start in range(0, seg.nbytes, values.CHUNK):
+                        chan.send(PIECE, seg[start:start + values.CHUNK])
+                chan.send(RESULT, b"")
+            else:
+                chan.event(t="result", type=name)
+                chan.send(RESULT, segments[0])
+            del segments
         if not payload.get("keep"):
             return
 

@@ -15,18 +15,16 @@ The states, and who moves between them::
 A cell that raises leaves the session usable; a rank that dies ends it ("broken"), and so does
 a rank that does not stop within ``INTERRUPT_GRACE_S`` of an interrupt.
 
-Values come back pickled, over the channel that never unpickles anything else: each value is
-signed with HMAC-SHA256 under the session's secret by the supervisor, and the signature is
-checked before the driver unpickles it (Jupyter's own messages are signed the same way).
+Values come back pickled, over the channel that never unpickles anything else: each value
+travels in pieces, signed with HMAC-SHA256 under the session's secret by the supervisor as they
+pass, and the signature is checked before the driver unpickles it (Jupyter's own messages are
+signed the same way); see ``nbdist.values``.
 """
 
 from __future__ import annotations
 
 import atexit
 import base64
-import hashlib
-import hmac
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +32,9 @@ from typing import Any
 
 import cloudpickle
 
-from nbdist import events, state
+from nbdist import events, state, values
 from nbdist.errors import DistributedError, NbdistError
-from nbdist.job import Job, choose_launcher, register, wait_loop
+from nbdist.job import Job, choose_launcher, dropped_error, register, retain, wait_loop
 from nbdist.launch import Launcher
 from nbdist.rank import RankOutcome
 
@@ -219,7 +217,7 @@ class Session(Job):
         cell = self._cell
         if isinstance(event.get("rss"), int):
             self.rss[rank] = event["rss"]
-        if kind == "cell_result" or kind == "cell_error":
+        if kind in ("cell_value", "cell_data", "cell_result", "cell_error"):
             if cell is not None:
                 cell.on_rank_end(rank, event, self._secret)
             return
@@ -237,6 +235,13 @@ class Session(Job):
             cell.state.apply(rank, event)
         elif cell is not None and kind == "state" and event.get("state") == "running":
             cell.state.apply(rank, event)
+
+    def block_buffer(self, rank: int, event: events.Event) -> memoryview | None:
+        """A piece of a rank's value is read straight into the value's buffer."""
+        cell = self._cell
+        if event.get("t") != "cell_data" or cell is None:
+            return None
+        return cell.buffer_for(rank, event)
 
     # -- the end ------------------------------------------------------------------------------
     def _fail(self, reason: str) -> None:
@@ -343,8 +348,11 @@ class SessionCell:
                                       "gpus": r.gpu.split(",") if r.gpu else []})
             self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
         self._lock = threading.Lock()
-        self._parts: dict[int, list[str]] = {}
+        self._number = int(cell_id.rpartition(".")[2])
+        self._incoming: dict[int, values.Receiver] = {}  # rank → its value, arriving
         self._values: dict[int, Any] = {}
+        self._size = 0  # pickled size of _values
+        self._dropped = False
         self._errors: dict[int, str] = {}
         self._first_error: int | None = None
         self._interrupted: str | None = None
@@ -360,37 +368,75 @@ class SessionCell:
 
     # -- from the session's channel -----------------------------------------------------------
     def on_rank_end(self, rank: int, event: events.Event, secret: str) -> None:
-        if event.get("t") == "cell_error":
+        """A rank's value (announced, in pieces, then its signature) or error for this cell."""
+        kind = event.get("t")
+        if event.get("cell") != self._number:
+            return  # a late word about an earlier cell
+        if kind == "cell_error":
             error = event.get("error") or {}
             text = str(error.get("traceback") or "") or (
                 f"{error.get('type')}: {error.get('message')}\n")
             self._rank_ended(rank, None, (str(error.get("type")), str(error.get("message")),
                                           text))
             return
-        with self._lock:
-            parts = self._parts.setdefault(rank, [])
-            parts.append(str(event.get("data") or ""))
-            if event.get("more"):
+        if kind == "cell_value":
+            try:
+                receiver = values.Receiver(secret, self._number, event.get("sizes"))
+            except (ValueError, MemoryError) as exc:
+                self._rank_ended(rank, None, (type(exc).__name__, str(exc), (
+                    f"rank {rank}'s value ({event.get('sizes')} bytes, a {event.get('type')}) "
+                    f"cannot be received in the notebook: {type(exc).__name__}: {exc}\n")))
                 return
-            body = base64.b64decode("".join(self._parts.pop(rank)))
-        cell_no = self.id.rpartition(".")[2]
-        mac = hmac.new(bytes.fromhex(secret), f"{cell_no}:".encode() + body,
-                       hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(mac, str(event.get("mac"))):
-            self._rank_ended(rank, None, ("SecurityError", "bad signature",
-                                          "the value's signature did not match; not unpickled\n"))
+            with self._lock:
+                self._incoming[rank] = receiver
+            return
+        with self._lock:
+            found = self._incoming.get(rank) if kind == "cell_data" else (
+                self._incoming.pop(rank, None))
+        if found is None:
+            if kind == "cell_result":  # a supervisor of nbdist before values went in pieces
+                self._rank_ended(rank, None, ("RuntimeError", "no value announced", (
+                    f"rank {rank}'s nbdist is older than the notebook's: install the same "
+                    f"nbdist version on both\n")))
+            return  # pieces of a value refused above
+        receiver = found
+        if kind == "cell_data":
+            data = event.get("data")
+            try:
+                if not isinstance(data, (bytes, bytearray, memoryview)):
+                    raise ValueError(f"a piece of {type(data).__name__}")
+                receiver.feed(data)
+            except ValueError as exc:
+                with self._lock:
+                    self._incoming.pop(rank, None)
+                self._rank_ended(rank, None, ("ValueError", str(exc),
+                                              f"rank {rank}'s value was garbled: {exc}\n"))
             return
         try:
-            value = pickle.loads(body)
+            value = receiver.finish(event.get("mac"))
+        except values.SignatureError as exc:
+            self._rank_ended(rank, None, ("SecurityError", "bad signature", f"{exc}\n"))
+            return
         except Exception as exc:
-            kind = event.get("type")
+            what = event.get("type")
             self._rank_ended(rank, None, (
                 "UnpicklingError", f"{type(exc).__name__}: {exc}",
-                f"rank {rank}'s value (a {kind}) cannot be unpickled in the notebook: "
+                f"rank {rank}'s value (a {what}) cannot be unpickled in the notebook: "
                 f"{type(exc).__name__}: {exc}. Return plain values or make the class "
                 f"importable in the notebook.\n"))
             return
+        with self._lock:
+            self._size += receiver.size
         self._rank_ended(rank, value, None)
+
+    def buffer_for(self, rank: int, event: events.Event) -> memoryview | None:
+        """Where the piece of a value that ``event`` announces goes (see ``block_buffer``)."""
+        if event.get("cell") != self._number:
+            return None
+        with self._lock:
+            receiver = self._incoming.get(rank)
+        size = event.get("raw")
+        return receiver.next_buffer(size) if receiver is not None and type(size) is int else None
 
     def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
         with self._lock:
@@ -453,8 +499,14 @@ class SessionCell:
         for r in range(self.np):
             if r not in self._values and r not in self._errors:
                 self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
+        with self._lock:
+            self._incoming.clear()  # values still arriving are of no use now
+            if error is not None:  # result() raises: the values of the other ranks go too
+                self._values, self._size = {}, 0
         self.state.finish(final, "" if error is None else str(error))
         self.session._cell_over(self)
+        if self._size:
+            retain(self)
 
     # -- the Handle interface -------------------------------------------------------------------
     def done(self) -> bool:
@@ -509,6 +561,8 @@ class SessionCell:
             raise TimeoutError(f"cell {self.id} is still running after {timeout} s")
         if self._error is not None:
             raise self._error
+        if self._dropped:
+            raise dropped_error(self.id)
         return self._values.get(0)
 
     @property
@@ -520,6 +574,15 @@ class SessionCell:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    def retained_bytes(self) -> int:
+        return self._size
+
+    def drop_values(self) -> None:
+        with self._lock:
+            self._dropped = True
+            self._values, self._size = {}, 0
+        self.state.values_dropped = True
 
     def __repr__(self) -> str:
         return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.state}>"

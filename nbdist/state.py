@@ -97,6 +97,7 @@ class JobState:
         self.seq = 0
         self.version = 0  # bumped on every change; views re-render when it moved
         self.rejected = 0
+        self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
 

@@ -12,6 +12,7 @@ import pytest
 
 from nbdist import events
 
+from . import hostile
 from .conftest import wait_for
 
 
@@ -250,3 +251,167 @@ def test_free_port_is_below_the_ephemeral_range() -> None:
     port = events.free_port()
     assert 10000 <= port < low
     socket.create_server(("", port)).close()
+
+
+# -- hostile input ---------------------------------------------------------------------------
+def test_every_malformed_input_closes_its_connection_and_the_server_goes_on(
+    server: events.EventServer,
+) -> None:
+    """Deep nesting, a non-ASCII mac, huge numbers, wrong types in every field, NUL bytes, bad
+    UTF-8: each connection is closed and counted, and then a rank still gets through."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    cases = hostile.malformed("j1")
+    assert hostile.send_each(server.address, cases) == []
+    wait_for(lambda: server.rejected == len(cases), 10, f"{len(cases)} rejections")
+    assert server._thread.is_alive()
+    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    client.send({"t": "out", "s": "o", "text": "still here\n"})
+    wait_for(lambda: rec.events, 10, "the rank's line")
+    client.close()
+
+
+def test_a_hello_for_a_job_that_just_ended_is_rejected(server: events.EventServer) -> None:
+    """A correctly signed hello for a job removed from the server is closed and counted."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    server.remove_job("j1")
+    sock, nonce = hostile.greet(server.address)
+    with sock:
+        sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
+                                    "mac": events.sign(secret, nonce, "j1", 0)}))
+        assert hostile.closed_on_us(sock)
+    wait_for(lambda: server.rejected == 1, 10, "the rejection")
+    assert rec.connected == []
+
+
+def test_an_authenticated_connection_breaking_the_protocol_is_closed_alone(
+    server: events.EventServer, raw
+) -> None:
+    """After its hello, deep nesting, bad block sizes or a block inside an array close that
+    connection only; another rank of the job goes on."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    other = events.EventClient(server.address, "j1", 1, secret, {}, lambda m: None)
+    bad = [b"[" * 5000 + b"\n", b'{"t":"x","raw":-1}\n', b'{"t":"x","raw":"10"}\n',
+           b'{"t":"x","raw":%d}\n' % (events.MAX_BLOCK_BYTES + 1), b'[{"t":"x","raw":1}]\n',
+           b'{"t":"x","raw":1.5}\n', b"\xff\n"]
+    for line in bad:
+        sock, nonce = raw()
+        sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
+                                    "mac": events.sign(secret, nonce, "j1", 0)}) + line)
+        assert _closed(sock)
+    wait_for(lambda: server.rejected == len(bad), 10, "every bad connection counted")
+    other.send({"t": "out", "s": "o", "text": "rank 1 goes on\n"})
+    wait_for(lambda: any(r == 1 for r, _ in rec.events), 10, "rank 1's line")
+    other.close()
+
+
+def test_a_handler_that_raises_on_connect_costs_only_that_connection(
+    server: events.EventServer,
+) -> None:
+    """A job whose on_connect raises loses that connection; the server serves the next one."""
+
+    class Broken(Recorder):
+        def on_connect(self, rank: int, hello: dict[str, object]) -> None:
+            raise RuntimeError("a bug in a job's handler")
+
+    secret = events.new_secret()
+    server.add_job("broken", secret, Broken())
+    client = events.EventClient(server.address, "broken", 0, secret, {}, lambda m: None)
+    wait_for(lambda: not client.alive, 10, "the connection closed")
+    client.close()
+    assert server.rejected == 1
+    rec = Recorder()
+    server.add_job("j2", secret, rec)
+    good = events.EventClient(server.address, "j2", 0, secret, {}, lambda m: None)
+    wait_for(lambda: rec.connected == [0], 10, "the next rank")
+    good.close()
+
+
+def test_binary_blocks_reach_the_job_whole_and_in_order(server: events.EventServer) -> None:
+    """Events with bytes data travel as raw blocks, between ordinary events, in order."""
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    assert client.protocol >= 3
+    blobs = [bytes([i]) * (i * 100_003 % events.MAX_BLOCK_BYTES) for i in range(1, 30)]
+    blobs.append(b"\n" * 1000 + b"[" * 1000)  # block bytes are never read as lines
+    for i, blob in enumerate(blobs):
+        client.send({"t": "blob", "i": i, "data": blob})
+        client.send({"t": "out", "s": "o", "text": f"after {i}\n"})
+    client.close()
+
+    def blobs_got() -> list[bytes]:
+        with rec.lock:
+            return [bytes(e["data"]) for _, e in rec.events if e["t"] == "blob"]  # type: ignore
+
+    wait_for(lambda: len(blobs_got()) == len(blobs), 30, "every block")
+    assert blobs_got() == blobs
+    texts = "".join(str(e["text"]) for _, e in rec.events if e["t"] == "out")
+    assert texts == "".join(f"after {i}\n" for i in range(len(blobs)))
+    assert server.rejected == 0
+
+
+def test_a_slowloris_is_cut_at_the_deadline_and_counted(
+    server: events.EventServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stranger trickling a byte at a time without a newline is closed at AUTH_DEADLINE_S."""
+    monkeypatch.setattr(events, "AUTH_DEADLINE_S", 1.0, raising=False)
+    cut = hostile.slowloris(server.address, every=0.2, limit_s=60)
+    assert cut is not None, "the server kept the slowloris connection for a minute"
+    wait_for(lambda: server.rejected == 1, 10, "the rejection")
+
+
+def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
+    server: events.EventServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1000 connections that never say hello are closed (by the cap, then the deadline) and
+    counted; a rank connecting while they are held is served."""
+    monkeypatch.setattr(events, "AUTH_DEADLINE_S", 3.0, raising=False)
+    with hostile.more_files(2600):
+        strangers = [socket.create_connection(server.address, timeout=30) for _ in range(1000)]
+        try:
+            rec, secret = Recorder(), events.new_secret()
+            server.add_job("j1", secret, rec)
+            client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+            client.send({"t": "out", "s": "o", "text": "in\n"})
+            wait_for(lambda: rec.events, 30, "the rank's line")
+            wait_for(lambda: server.rejected == 1000, 60, "every stranger cut")
+            assert len(server._waiting) == 0
+            client.close()
+            for sock in strangers:
+                sock.settimeout(10)
+                assert hostile.closed_on_us(sock)
+        finally:
+            for sock in strangers:
+                sock.close()
+
+
+def test_8000_connections_of_64_kb_do_not_grow_the_kernel(server: events.EventServer) -> None:
+    """8000 strangers sending 64 KB each without a newline cost the server little memory; all
+    are cut and counted."""
+    flooded = hostile.flood(server, 8000, 64 * 1024)
+    assert flooded.rejected == 8000
+    assert flooded.peak_growth < 100 * 2**20, (
+        f"the server grew by {flooded.peak_growth / 2**20:.0f} MiB")
+
+
+def test_a_reconnect_storm_leaves_one_connection_per_rank(server: events.EventServer) -> None:
+    """A rank reconnecting 100 times replaces its connection each time: the older ones are
+    closed on the server's side, one is left, and no descriptor is left behind."""
+    import psutil
+
+    rec, secret = Recorder(), events.new_secret()
+    server.add_job("j1", secret, rec)
+    fds_before = psutil.Process().num_fds()
+    clients = []
+    for _ in range(100):
+        clients.append(events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None))
+    wait_for(lambda: len(rec.connected) == 100, 30, "every hello")
+    wait_for(lambda: not any(c.alive for c in clients[:-1]), 30, "the replaced ones closed")
+    assert clients[-1].alive and len(server._conns) == 1 and server.rejected == 0
+    for client in clients:
+        client.close()
+    wait_for(lambda: not server._conns, 10, "the last one gone")
+    wait_for(lambda: psutil.Process().num_fds() <= fds_before, 10, "no descriptor left")

@@ -34,7 +34,7 @@ import importlib.util
 import json
 import os
 import queue
-import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -268,8 +268,11 @@ def main() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select below
     safe, why = _fork_safety()
+    sel = selectors.PollSelector()  # not select.select: no limit on descriptor numbers
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
     while True:
-        readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
+        readable = [key.fd for key, _ in sel.select()]
         if wake_r in readable:
             try:
                 while os.read(wake_r, 512):  # the signals' bytes: only the wake-up matters

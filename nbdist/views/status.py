@@ -194,7 +194,7 @@ _JOB_COLUMNS = ("job", "backend", "np", "state", "elapsed", "failed ranks", "res
 
 def _result_ready(job: JobState) -> str:
     if job.state == DONE:
-        return "yes"
+        return "dropped" if job.values_dropped else "yes"
     return "no" if job.state in FINAL else "-"
 
 

@@ -333,3 +333,58 @@ def unreachable_event_server(target: Target) -> None:
     # Rank 0 printed its line, or was stopped before it could.
     assert re.search(r"output lost from ranks 0, 1: (1 line|2 lines) of output", str(err))
     all_gone(target)
+
+
+LIVE = """
+def f():
+    import os, time
+    print("live", flush=True)
+    while not os.path.exists({gate!r}):
+        time.sleep(0.01)
+    return int(os.environ["RANK"])
+"""
+
+
+def streams_live(target: Target, tmp_path: Path, name: str) -> None:
+    """A 2-rank job whose output reaches the notebook while it runs: it waits for a gate that
+    opens only once both ranks' first line has arrived."""
+    gate = tmp_path / name
+    job = job_of(target, LIVE.format(gate=str(gate)))
+    try:
+        wait_for(lambda: all(r.last_line == "live" for r in job.state.ranks), 120,
+                 "both ranks' line, live, before the job ends")
+    finally:
+        gate.touch()
+    assert job.results == [0, 1]
+    assert job.lost_output is None
+
+
+def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
+    from .. import hostile
+
+    ended = job_of(target, "def f():\n    return 0\n", np=1)
+    assert ended.results == [0]
+    server = events.shared_server(ended.launcher.driver_host())
+    before = server.rejected
+    cases = hostile.malformed(ended.id)
+    cases.append(("a signed hello for the job that just ended",
+                  lambda nonce: events.encode({"t": "hello", "job": ended.id, "rank": 0,
+                                               "mac": events.sign(ended._secret, nonce,
+                                                                  ended.id, 0)})))
+    assert hostile.send_each(server.address, cases) == []
+    wait_for(lambda: server.rejected == before + len(cases), 10, "every connection counted")
+    streams_live(target, tmp_path, "after-hostile-input")
+
+
+def a_job_among_idle_strangers(target: Target, tmp_path: Path) -> None:
+    from .. import hostile
+
+    server = events.shared_server(choose_launcher(1, target.backend)[0].driver_host())
+    before = server.rejected
+    with hostile.IdleStrangers(server.address, 1000) as strangers:
+        streams_live(target, tmp_path, "among-strangers")
+        held = len(strangers._sel.get_map())
+        # Each one is cut within AUTH_DEADLINE_S of connecting (or earlier, for a newer one).
+        wait_for(lambda: strangers.cut >= 1000, 60, "the server cutting the strangers")
+    assert held > 900, f"only {held} strangers were connected when the job ended"
+    assert server.rejected - before >= strangers.cut

@@ -184,3 +184,15 @@ def test_interrupt_while_the_view_is_built_still_cancels(ip: Any,
     assert isinstance(err, nbdist.DistributedError), repr(err)
     assert err.reason == "cancelled" and "interrupted from the notebook" in str(err)
     wait_for(lambda: not rank_processes(), 10, "the ranks to be stopped")
+
+
+def test_hostile_input_leaves_the_event_server_serving(tmp_path: Path) -> None:
+    """Every malformed input to the kernel's event server is closed and counted, and a job
+    started after them streams its output live."""
+    rows.hostile_input_then_a_live_job(LOCAL, tmp_path)
+
+
+def test_a_job_runs_while_1000_idle_strangers_are_connected(tmp_path: Path) -> None:
+    """A job's ranks get in and stream live while 1000 strangers hold idle connections; the
+    strangers are all cut and counted."""
+    rows.a_job_among_idle_strangers(LOCAL, tmp_path)

@@ -180,3 +180,18 @@ def test_result_that_cannot_be_unpickled_on_the_driver(
 ) -> None:
     """A value whose class exists only on the ranks is an error naming the rank and the type."""
     rows.result_cannot_be_unpickled(spark, tmp_path)
+
+
+def test_hostile_input_leaves_the_event_server_serving(
+    spark: rows.Target, tmp_path: Path
+) -> None:
+    """Every malformed input to the Spark jobs' event server is closed and counted, and a job
+    started after them streams its output live."""
+    rows.hostile_input_then_a_live_job(spark, tmp_path)
+
+
+def test_a_job_runs_while_1000_idle_strangers_are_connected(
+    spark: rows.Target, tmp_path: Path
+) -> None:
+    """Spark ranks get in and stream live while 1000 strangers hold idle connections."""
+    rows.a_job_among_idle_strangers(spark, tmp_path)

@@ -1,0 +1,266 @@
+"""What a stranger may send to nbdist's event server: each input breaks a rule of the protocol.
+
+Shared by ``tests/test_events.py`` (a server of its own) and the fault matrix
+(``tests/faults/rows.py``: the kernel's server, local and Spark, with a real job after them).
+Loopback only; every loop here is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+import pytest
+
+from nbdist import events
+
+#: How to build the bytes sent, given the challenge's nonce.
+Payload = Callable[[str], bytes]
+
+
+def _hello(job_id: str, **fields: object) -> Payload:
+    def build(nonce: str) -> bytes:
+        hello = {"t": "hello", "job": job_id, "rank": 0, "mac": "0" * 64, **fields}
+        return json.dumps(hello).encode() + b"\n"
+
+    return build
+
+
+def _raw(text: bytes) -> Payload:
+    return lambda nonce: text
+
+
+def malformed(job_id: str) -> list[tuple[str, Payload]]:
+    """(what, payload) for every malformed input tried; ``job_id`` names a job the server has."""
+    head = b'{"t":"hello","job":' + json.dumps(job_id).encode()
+    cases: list[tuple[str, Payload]] = [
+        ("5000 [ (json's RecursionError)", _raw(b"[" * 5000 + b"\n")),
+        ("5000 nested objects", _raw(b'{"a":' * 5000 + b"\n")),
+        ("a mac that is not ASCII (compare_digest's TypeError)", _hello(job_id, mac="é" * 64)),
+        ("a mac with a lone surrogate", _raw(head + b',"rank":0,"mac":"\\ud800"}\n')),
+        ("a rank of 4000 digits", _raw(head + b',"rank":' + b"9" * 4000 + b',"mac":"00"}\n')),
+        ("a rank of 5000 digits (int's digit limit)",
+         _raw(head + b',"rank":' + b"9" * 5000 + b',"mac":"00"}\n')),
+        ("a rank of 1e999", _raw(head + b',"rank":1e999,"mac":"00"}\n')),
+        ("a rank of NaN", _raw(head + b',"rank":NaN,"mac":"00"}\n')),
+        ("a negative rank", _hello(job_id, rank=-1)),
+        ("a rank that is true", _hello(job_id, rank=True)),
+        ("NUL bytes", _raw(b"\x00" * 64 + b"\n")),
+        ("a NUL in the job id", _hello(job_id + "\x00")),
+        ("a raw control character in a string", _raw(head + b',"rank":0,"mac":"\x00"}\n')),
+        ("invalid UTF-8", _raw(b"\xff\xfe\xfd\n")),
+        ("an empty array", _raw(b"[]\n")),
+        ("an array of hellos", lambda nonce: b"[" + _hello(job_id)(nonce)[:-1] + b"]\n"),
+        ("a number", _raw(b"3\n")),
+        ("null", _raw(b"null\n")),
+        ("a string", _raw(b'"hello"\n')),
+        ("a line longer than MAX_HELLO_BYTES", _raw(b"x" * (events.MAX_HELLO_BYTES + 10))),
+        ("an HTTP request", _raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")),
+        ("an announced binary block before the hello", _raw(b'{"t":"x","raw":10}\n0123456789')),
+    ]
+    wrong_types: dict[str, list[object]] = {
+        "t": [None, 1, ["hello"], {"hello": 1}],
+        "job": [None, 1, [job_id], {job_id: 1}],
+        "rank": ["0", 0.0, [0], None, {"0": 0}],
+        "mac": [None, 0, ["0" * 64], {"0": 1}],
+    }
+    for field, values in wrong_types.items():
+        for value in values:
+            cases.append((f"{field}={value!r}", _hello(job_id, **{field: value})))
+    return cases
+
+
+def greet(address: tuple[str, int], timeout: float = 10) -> tuple[socket.socket, str]:
+    """A raw connection to the server, and the nonce of its challenge."""
+    sock = socket.create_connection(address, timeout=timeout)
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(1)
+        if not chunk:
+            raise ConnectionError("closed before the challenge")
+        line += chunk
+    return sock, json.loads(line)["nonce"]
+
+
+def closed_on_us(sock: socket.socket) -> bool:
+    """True once the server closes the connection (False if it is still open after the
+    socket's timeout: the server did not deal with what it was sent)."""
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed too
+        pass
+    return True
+
+
+def send_each(address: tuple[str, int], cases: list[tuple[str, Payload]]) -> list[str]:
+    """Send each case on a connection of its own; the cases the server did NOT close."""
+    still_open = []
+    for what, payload in cases:
+        sock, nonce = greet(address)
+        with sock:
+            try:
+                sock.sendall(payload(nonce))
+            except OSError:
+                pass  # closed while we wrote: what we check below
+            if not closed_on_us(sock):
+                still_open.append(what)
+    return still_open
+
+
+class more_files:
+    """Raise the soft limit of open files to at least ``n`` for a block (restored after)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.old = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = self.old
+        if soft != resource.RLIM_INFINITY and soft < self.n:
+            if hard != resource.RLIM_INFINITY and hard < self.n:
+                pytest.skip(f"needs {self.n} open files; the hard limit is {hard}")
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.n, hard))
+
+    def __exit__(self, *exc: object) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.old)
+
+
+class IdleStrangers:
+    """``n`` connections to ``address`` that never say hello, held while the block runs: one
+    the server cuts is replaced (at most ``n * 20`` connections and ``limit_s`` in all)."""
+
+    def __init__(self, address: tuple[str, int], n: int, limit_s: float = 120) -> None:
+        self.address, self.n, self.limit_s = address, n, limit_s
+        self.opened = self.cut = 0
+        self._stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._files = more_files(2 * n + 600)  # ours and the server's ends, in this process
+
+    def _open(self) -> None:
+        try:
+            sock = socket.create_connection(self.address, timeout=5)
+        except OSError:
+            return  # the backlog is full: the next round tries again
+        sock.setblocking(False)
+        self._sel.register(sock, selectors.EVENT_READ)
+        self.opened += 1
+
+    def __enter__(self) -> IdleStrangers:
+        self._files.__enter__()
+        for _ in range(self.n):
+            self._open()
+        self._thread = threading.Thread(target=self._keep, daemon=True)
+        self._thread.start()
+        return self
+
+    def _keep(self) -> None:
+        deadline = time.monotonic() + self.limit_s
+        while not self._stop.wait(0.05) and time.monotonic() < deadline:
+            for key, _ in self._sel.select(0):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    if sock.recv(65536):
+                        continue  # the challenge: left unanswered
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self._sel.unregister(sock)
+                sock.close()
+                self.cut += 1
+            while len(self._sel.get_map()) < self.n and self.opened < self.n * 20:
+                self._open()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        for key in list(self._sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._sel.close()
+        self._files.__exit__()
+
+
+def slowloris(address: tuple[str, int], every: float, limit_s: float) -> float | None:
+    """Trickle one byte every ``every`` seconds, never a newline: the seconds until the server
+    cut the connection, or None if it had not after ``limit_s``."""
+    sock, _ = greet(address)
+    start = time.monotonic()
+    with sock:
+        sock.settimeout(every)
+        while time.monotonic() - start < limit_s:
+            try:
+                sock.send(b"{")
+                if sock.recv(1) == b"":
+                    return time.monotonic() - start
+            except TimeoutError:
+                continue
+            except OSError:
+                return time.monotonic() - start
+    return None
+
+
+_ATTACKER = r"""
+import socket, sys
+host, port, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+blob = b"x" * size
+held = []
+for _ in range(n):
+    s = socket.create_connection((host, port), timeout=30)
+    s.setblocking(False)
+    try:
+        s.send(blob)
+    except OSError:
+        pass
+    held.append(s)
+print("done", flush=True)
+sys.stdin.read()  # hold them until told (or the parent goes)
+"""
+
+
+@dataclass
+class Flood:
+    peak_growth: int  # bytes: this process's peak resident memory above where it started
+    rejected: int  # connections the server closed and counted meanwhile
+    seconds: float
+
+
+def flood(server: events.EventServer, n: int, size: int, limit_s: float = 110) -> Flood:
+    """``n`` connections from a child process, each sending ``size`` bytes and no newline,
+    held until the server counted ``n`` rejections (or ``limit_s``), while this process's
+    memory (the server's) is sampled every 10 ms."""
+    me = psutil.Process()
+    before = peak = me.memory_info().rss
+    rejected = server.rejected
+    start = time.monotonic()
+    with more_files(n + 600):
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", _ATTACKER, *map(str, server.address), str(n), str(size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert attacker.stdin is not None and attacker.stdout is not None
+        reader = threading.Thread(target=attacker.stdout.readline, daemon=True)
+        reader.start()
+        try:
+            while ((reader.is_alive() or server.rejected - rejected < n)
+                   and time.monotonic() - start < limit_s):
+                peak = max(peak, me.memory_info().rss)
+                time.sleep(0.01)
+        finally:
+            attacker.stdin.close()
+            attacker.wait(30)
+            reader.join(10)
+            attacker.stdout.close()
+    return Flood(peak - before, server.rejected - rejected, time.monotonic() - start)
