@@ -18,7 +18,7 @@ from nbdist import job as jobs
 from nbdist.errors import CaptureError, CaptureWarning, DistributedError
 from nbdist.events import free_port
 
-from .conftest import rank_processes, run
+from .helpers import rank_processes, run
 
 pytestmark = pytest.mark.timeout(180)
 

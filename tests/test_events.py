@@ -13,7 +13,7 @@ import pytest
 from nbdist import events
 
 from . import hostile
-from .conftest import wait_for
+from .helpers import wait_for
 
 
 class Recorder:

@@ -26,7 +26,7 @@ from nbdist.views import status
 from nbdist.views.text import TextView
 from nbdist.views.widget import LOG_VIEW_LINES, Panel, _Static
 
-from .conftest import rank_processes, run, wait_for
+from .helpers import rank_processes, run, wait_for
 
 
 def out(text: str, s: str = "o") -> dict[str, object]:

@@ -13,7 +13,7 @@ import pytest
 
 from nbdist import session as sessions
 
-from .conftest import run
+from .helpers import run
 
 pytestmark = [pytest.mark.usefixtures("no_session"), pytest.mark.timeout(300)]
 

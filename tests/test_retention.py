@@ -15,7 +15,7 @@ from nbdist import job as jobs
 from nbdist.errors import ValuesDroppedError
 from nbdist.views import status
 
-from .conftest import run
+from .helpers import run
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ import pytest
 import nbdist
 from nbdist import state
 
-from .conftest import rank_processes, wait_for
+from .helpers import rank_processes, wait_for
 
 
 def env_of_rank() -> dict[str, str]:

@@ -11,7 +11,7 @@ import pytest
 from nbdist import session as sessions
 from nbdist.errors import DistributedError
 
-from .conftest import GONE_WITHIN_S, rank_processes, run
+from .helpers import GONE_WITHIN_S, rank_processes, run
 
 pytestmark = pytest.mark.usefixtures("no_session")
 
@@ -83,7 +83,7 @@ def test_interrupt_stops_the_cell_not_the_session(ip: Any, live: sessions.Sessio
                    "while True:\n"
                    "    steps += 1\n"
                    "    time.sleep(0.01)")
-    from .conftest import wait_for
+    from .helpers import wait_for
 
     wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
     run(ip, f"%dist_cancel {cell.id}")
@@ -103,7 +103,7 @@ def test_rank_that_ignores_the_interrupt_ends_the_session(ip: Any, live: session
                    "        time.sleep(0.01)\n"
                    "    except KeyboardInterrupt:\n"
                    "        pass")
-    from .conftest import wait_for
+    from .helpers import wait_for
 
     wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
     started = time.monotonic()

@@ -16,7 +16,7 @@ import pytest
 import nbdist
 from nbdist.launch import local
 
-from .conftest import wait_for
+from .helpers import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

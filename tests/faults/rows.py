@@ -26,7 +26,7 @@ from nbdist.job import Job, choose_launcher
 from nbdist.launch import Launcher, LaunchRequest
 from nbdist.rank import RankOutcome
 
-from ..conftest import GONE_WITHIN_S, wait_for
+from ..helpers import GONE_WITHIN_S, wait_for
 
 
 class Target(NamedTuple):

@@ -19,7 +19,7 @@ import pytest
 
 import nbdist
 
-from ..conftest import is_rank, rank_processes, wait_for
+from ..helpers import is_rank, rank_processes, wait_for
 from . import rows
 
 pytestmark = pytest.mark.timeout(180)

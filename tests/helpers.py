@@ -1,0 +1,67 @@
+"""Helpers the tests import: run a cell, wait for a condition, find rank processes.
+
+Fixtures live in ``conftest.py`` (pytest finds them there); what a test calls lives here, so
+that no test imports ``conftest`` (pytest imports it under its own rules, and a second import
+under another name would run it twice).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+#: How long ranks may take to disappear after a job ended (the contract says 10 s).
+GONE_WITHIN_S = 10.0
+
+
+def is_rank(proc: psutil.Process) -> bool:
+    """A rank's interpreter: started fresh (it runs nbdist.runtime), or forked by a zygote
+    (it shows the zygote's command line, and so does its parent)."""
+    from nbdist.launch.zygote import COMMAND
+
+    cmd = " ".join(proc.cmdline())
+    if "nbdist.runtime" in cmd:
+        return True
+    parent = proc.parent() if COMMAND in cmd else None
+    return parent is not None and COMMAND in " ".join(parent.cmdline())
+
+
+def rank_processes() -> list[psutil.Process]:
+    """Rank interpreters started from this process, the idle warm ones excepted."""
+    from nbdist.launch.local import pool
+
+    warm = set(pool.pids())
+    found = []
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if p.pid in warm or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if is_rank(p):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def run(ip: Any, cell: str) -> Any:
+    """Run a cell in the shell; raise what it raised, else return its result."""
+    result = ip.run_cell(cell)
+    if result.error_before_exec is not None:
+        raise result.error_before_exec
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    return result.result
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0,
+             what: str = "condition") -> None:
+    """Poll ``predicate`` until true; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
