@@ -14,8 +14,25 @@ from typing import Any
 
 import psutil
 
+from nbdist.state import JobState
+
 #: How long ranks may take to disappear after a job ended (the contract says 10 s).
 GONE_WITHIN_S = 10.0
+
+
+def out(text: str, s: str = "o") -> dict[str, object]:
+    """An ``out`` event: ``text`` on stream ``s`` ("o" stdout, "e" stderr)."""
+    return {"t": "out", "s": s, "text": text}
+
+
+def running_job(np: int = 2) -> JobState:
+    """A job's state with ``np`` ranks that said hello on node-a, started and run."""
+    job = JobState("j77", "local", np)
+    for r in range(np):
+        job.apply(r, {"t": "hello", "host": "node-a", "gpus": []})
+        job.apply(r, {"t": "state", "state": "starting", "pid": 1000 + r, "host": "node-a"})
+        job.apply(r, {"t": "state", "state": "running"})
+    return job
 
 
 def is_rank(proc: psutil.Process) -> bool:
