@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
@@ -106,7 +107,7 @@ def test_lazy_events_are_coalesced_and_close_sends_them(server: events.EventServ
         metrics: dict[str, object] = {}
         for e in got:
             if e["t"] == "metrics":
-                metrics.update(e["values"])  # type: ignore[arg-type]
+                metrics.update(cast("dict[str, object]", e["values"]))
         return bars, metrics
 
     expected = ({1: 100, 2: 200}, {"loss": 1 / 100, "k0": 99, "k1": 100, "k2": 98})

@@ -40,7 +40,9 @@ def test_quickstart_trains_on_two_ranks() -> None:
         assert f"[rank {rank}] epoch 0: loss" in train
         assert f"[rank {rank}] held-out accuracy" in train
     assert "{'rank': 0, 'accuracy':" in train
-    accuracy = float(re.search(r"accuracy on 297 held-out digits: ([\d.]+)%", texts[3]).group(1))
+    found = re.search(r"accuracy on 297 held-out digits: ([\d.]+)%", texts[3])
+    assert found is not None, texts[3]
+    accuracy = float(found.group(1))
     assert accuracy > 80
 
 

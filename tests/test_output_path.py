@@ -199,4 +199,5 @@ def test_a_bar_that_stalls_shows_its_latest_count(tmp_path: Path) -> None:
     finally:
         gate.touch()
     job.result(timeout=60)
+    assert r.bar is not None
     assert r.progress[r.bar]["n"] == 1000 and r.progress[r.bar]["desc"] == "fast"

@@ -170,7 +170,7 @@ def test_crash_after_the_result_is_not_a_failure() -> None:
                 self.inner, self.flushes = inner, 0
 
             def write(self, s: str) -> int:
-                return self.inner.write(s)  # type: ignore[attr-defined,no-any-return]
+                return self.inner.write(s)  # type: ignore[attr-defined]
 
             def flush(self) -> None:
                 self.flushes += 1

@@ -88,7 +88,7 @@ def test_interrupt_stops_the_cell_not_the_session(ip: Any, live: sessions.Sessio
     wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
     run(ip, f"%dist_cancel {cell.id}")
     assert cell.done() and cell.error is not None
-    assert cell.error.reason == "cancelled"  # type: ignore[attr-defined]
+    assert cell.error.reason == "cancelled"
     assert live.alive
     assert run(ip, "%%distributed\nsteps > 0") is True
 

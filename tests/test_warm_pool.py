@@ -147,7 +147,11 @@ def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(local, "ZYGOTE", zygote)
         nbdist.run(first_job, np=2).result()
         expected = 1 if zygote else 2  # one zygote, or one warm interpreter per rank
-        wait_for(lambda n=expected: len(local.pool.pids()) == n, 30, "warm processes")
+
+        def pooled(n: int = expected) -> bool:
+            return len(local.pool.pids()) == n
+
+        wait_for(pooled, 30, "warm processes")
         warm = [psutil.Process(p) for p in local.pool.pids()]
         wait_for(lambda: not local.pool.pids(), 30, "the idle processes to be let go")
         psutil.wait_procs(warm, timeout=10)
