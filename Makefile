@@ -1,12 +1,14 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make quickstart   the main job: notebooks/01-quickstart.ipynb on 2 local ranks
 #   make test         lint, types and the whole test suite (real kernels, Spark, a browser)
+# While developing (docs/developing.md):
+#   make check        lint, types and the fast tests: the loop to run after every change
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup quickstart test lint system-deps bench
+.PHONY: setup quickstart test check lint system-deps bench
 
 setup: $(VENV)/.installed
 
@@ -30,6 +32,11 @@ lint: setup
 system-deps:
 	@command -v java >/dev/null || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
+
+# The fast loop: every test not marked slow (a test that took more than 3 s when measured;
+# docs/developing.md), spark or browser. Real ranks still run; Spark and the browser do not.
+check: lint
+	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
 test: setup system-deps lint
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) -m pytest

@@ -364,6 +364,7 @@ def test_a_slowloris_is_cut_at_the_deadline_and_counted(
     wait_for(lambda: server.rejected == 1, 10, "the rejection")
 
 
+@pytest.mark.slow
 def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
     server: events.EventServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -389,6 +390,7 @@ def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
                 sock.close()
 
 
+@pytest.mark.slow
 def test_8000_connections_of_64_kb_do_not_grow_the_kernel(server: events.EventServer) -> None:
     """8000 strangers sending 64 KB each without a newline cost the server little memory; all
     are cut and counted."""

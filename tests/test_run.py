@@ -184,6 +184,7 @@ def test_crash_after_the_result_is_not_a_failure() -> None:
     assert job.results == [42, 42]
 
 
+@pytest.mark.slow
 def test_timeout_names_the_running_ranks_and_their_last_lines() -> None:
     """--timeout stops a hung job and says which ranks were still running and what they said."""
 

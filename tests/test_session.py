@@ -27,6 +27,7 @@ def live(ip: Any) -> Iterator[sessions.Session]:
         live.stop()
 
 
+@pytest.mark.slow
 def test_state_and_process_group_persist_across_cells(ip: Any, live: sessions.Session) -> None:
     """A model and a gloo process group made in one cell are used by the next two."""
     run(ip, "%%distributed\n"
@@ -93,6 +94,7 @@ def test_interrupt_stops_the_cell_not_the_session(ip: Any, live: sessions.Sessio
     assert run(ip, "%%distributed\nsteps > 0") is True
 
 
+@pytest.mark.slow
 def test_rank_that_ignores_the_interrupt_ends_the_session(ip: Any, live: sessions.Session
                                                           ) -> None:
     """A rank that swallows KeyboardInterrupt is torn down within the 10 s bound."""

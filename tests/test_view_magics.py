@@ -26,6 +26,7 @@ def panel_view(ip: Any) -> Any:
     ip.run_line_magic("config", "DistMagics.view = 'auto'")
 
 
+@pytest.mark.slow
 def test_terminal_shell_gets_the_text_view(ip: Any, capsys: Any) -> None:
     """Without a widget frontend, 'auto' chooses the text view."""
     run(ip, "%%distributed -np 2\nprint('plain text please')")

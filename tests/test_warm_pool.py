@@ -42,6 +42,7 @@ def second_job() -> dict[str, object]:
             "session": os.getsid(0)}
 
 
+@pytest.mark.slow
 def test_ranks_are_forked_from_a_zygote_with_their_modules_and_own_environment() -> None:
     """Each rank is a zygote's fork, in its own session, with torch loaded and its own env."""
     pytest.importorskip("torch")
@@ -58,6 +59,7 @@ def test_ranks_are_forked_from_a_zygote_with_their_modules_and_own_environment()
     assert all(r["threads"] == int(str(r["omp"])) for r in results)
 
 
+@pytest.mark.slow
 def test_a_run_right_after_the_last_finds_its_modules_loaded() -> None:
     """The next run, started the moment the last ended, is forked from the same warm zygote."""
     pytest.importorskip("torch")
@@ -74,6 +76,7 @@ def test_a_run_right_after_the_last_finds_its_modules_loaded() -> None:
     assert all(r["preloaded"] for r in again)
 
 
+@pytest.mark.slow
 def test_user_modules_are_not_preloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A module of the user's (which may be edited before the next run) is never preloaded."""
     pytest.importorskip("torch")
@@ -92,6 +95,7 @@ def test_user_modules_are_not_preloaded(tmp_path: Path, monkeypatch: pytest.Monk
     assert nbdist.run(second_job, np=1).result()["usermod"] is False
 
 
+@pytest.mark.slow
 def test_a_different_environment_gets_its_own_zygote() -> None:
     """A job with other --env values is not forked from a zygote started for another."""
     parent = nbdist.run(first_job, np=1).result()["parent"]
@@ -123,6 +127,7 @@ def test_a_zygote_that_cannot_fork_safely_gives_way_to_fresh_interpreters(
     assert not zygote.safe and "started threads (poller)" in zygote.why
 
 
+@pytest.mark.slow
 def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -140,6 +145,7 @@ def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
     assert all(r["threads"] == int(str(r["omp"])) for r in results)
 
 
+@pytest.mark.slow
 def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """Zygotes and warm interpreters idle longer than the limit are killed; none when disabled."""
     monkeypatch.setattr(local, "WARM_IDLE_S", 3.0)
@@ -160,6 +166,7 @@ def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatc
     assert local.pool.wait_ready(timeout=5) and not local.pool.pids()
 
 
+@pytest.mark.slow
 def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
     """A driver killed with SIGKILL takes its zygote and its running ranks with it."""
     code = textwrap.dedent(f"""
@@ -194,6 +201,7 @@ def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
     assert not alive
 
 
+@pytest.mark.slow
 def test_an_install_between_runs_gets_a_new_zygote(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -28,11 +28,13 @@ pytestmark = pytest.mark.timeout(180)
 LOCAL = rows.Target("local", rank_processes)
 
 
+@pytest.mark.slow
 def test_exception_while_others_wait_in_a_collective() -> None:
     """Rank 1 raising while rank 0 waits in all_reduce: its traceback, and rank 0 torn down."""
     rows.exception_in_a_collective(LOCAL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fault", "signal_name"), rows.SIGNALS)
 def test_rank_killed_by_a_signal_in_a_collective(fault: str, signal_name: str) -> None:
     """A rank dying of SIGKILL or a segfault is named with its signal; its peer is stopped."""
@@ -45,6 +47,7 @@ def test_rank_exits_early_without_a_result(fault: str, expected: str) -> None:
     rows.exits_early(LOCAL, fault, expected)
 
 
+@pytest.mark.slow
 def test_hung_collective_with_timeout() -> None:
     """A deadlock (rank 1 never joins the collective) ends at --timeout naming both ranks."""
     rows.hung_collective(LOCAL, timeout=15)
@@ -69,6 +72,7 @@ def test_too_many_gpu_ranks_fail_at_once(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not rank_processes()
 
 
+@pytest.mark.slow
 def test_output_flood_keeps_driver_memory_bounded() -> None:
     """Huge lines, no newlines, invalid UTF-8 and \\r storms: the job ends, memory stays small."""
     rows.output_flood(LOCAL, mib=256)
@@ -79,6 +83,7 @@ def test_strangers_on_the_event_server_do_not_disturb_a_job(tmp_path: Path) -> N
     rows.strangers_are_rejected(LOCAL, tmp_path)
 
 
+@pytest.mark.slow
 def test_unreachable_event_server_still_returns_results() -> None:
     """Ranks that cannot reach the event server still meet, run and return; the loss is told."""
     rows.unreachable_event_server(LOCAL)
