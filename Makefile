@@ -38,8 +38,15 @@ system-deps:
 check: lint
 	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
+# The whole suite under coverage, measured in the ranks, zygotes, kernels and Spark workers the
+# tests start too ([tool.coverage.run] in pyproject.toml). The report ends the output, whether
+# the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A process killed while
+# it was creating its data file (the fault tests kill ranks) leaves it empty: dropped.
 test: setup system-deps lint
-	SPARK_LOCAL_IP=127.0.0.1 $(PY) -m pytest
+	rm -f .coverage .coverage.*
+	SPARK_LOCAL_IP=127.0.0.1 $(VENV)/bin/coverage run -m pytest; status=$$?; \
+	find . -maxdepth 1 -name '.coverage.*' -empty -delete; \
+	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; exit $$status
 
 # Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
 bench: setup system-deps
