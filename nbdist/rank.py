@@ -133,7 +133,8 @@ class RankProcess:
         #: Frames from the interpreter, None at the end; one reader for its whole life, so a
         #: warm interpreter can be watched by its pool and then handed to a supervisor.
         self.frames: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
-        #: Set once the modules of a warm-up are imported.
+        #: Set once the modules of a warm-up are imported, or once the interpreter is gone (it
+        #: will never be warmer: a pool that let it go must not be waited for).
         self.warm = threading.Event()
         threading.Thread(
             target=self._read, args=(os.fdopen(ctl_out_r, "rb"),), daemon=True
@@ -150,6 +151,7 @@ class RankProcess:
                         pass
                 self.frames.put(frame)
         self.frames.put(None)
+        self.warm.set()
 
     @property
     def pid(self) -> int:

@@ -142,7 +142,11 @@ class WarmPool:
                     zygote = None  # the ranks start as fresh interpreters
             if zygote is not None:
                 self._zygotes[key] = zygote
-            self._arm_timer()
+            # Not idle while a job uses it: the countdown starts again when a job ends
+            # (fill, rest), so a job longer than the idle limit keeps its zygote.
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         for old in evicted:
             old.discard()
         if zygote is not None:
@@ -208,6 +212,12 @@ class WarmPool:
             if stale:
                 rp.discard()
                 return
+        with self._lock:
+            self._arm_timer()
+
+    def rest(self) -> None:
+        """A job ended without warming anything (cancelled, a session): start the idle
+        countdown."""
         with self._lock:
             self._arm_timer()
 
@@ -397,6 +407,8 @@ class LocalLauncher:
         if last and not self._cancelled and self._warm_after:
             modules = sorted({m for sup in sups for m in sup.modules})
             pool.fill(sups[0].spec, len(sups), modules)
+        elif last:
+            pool.rest()
         self._on_outcome(outcome)
 
     def cancel(self) -> None:
