@@ -306,3 +306,76 @@ def test_a_silent_rank_still_sends_heartbeats(monkeypatch: pytest.MonkeyPatch,
     assert job.state.ranks[0].lines == 0 and not job.done()
     gate.touch()
     job.result(timeout=30)
+
+
+def print_then_fork(how: str) -> int:
+    import os
+    import sys
+
+    n = 0  # at least 20,000 lines, and on until the stream is block-buffered (flooding)
+    while n < 20_000 or (sys.stdout.line_buffering and n < 200_000):
+        print("p", n)
+        n += 1
+    buffered = not sys.stdout.line_buffering
+    if how.startswith("os.fork"):
+        pid = os.fork()
+        if pid == 0:
+            print("child")
+            if how == "os.fork, flush":
+                sys.stdout.flush()  # what multiprocessing's children do on their way out
+            os._exit(0)  # else no flush on the way out: the line must be written already
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    else:  # flushes before the fork and in the child on its way out (DataLoader workers)
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    print("parent done")
+    return n if buffered else -1
+
+
+@pytest.mark.parametrize("how", ["os.fork", "os.fork, flush", "multiprocessing"])
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_a_child_forked_during_a_flood_repeats_nothing_and_loses_nothing(
+    how: str, zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork after 20,000 buffered lines: every line arrives exactly once, in order."""
+    from nbdist.launch import local
+
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    monkeypatch.setattr(state, "LOG_LINES", 250_000)  # keep every line to compare them all
+    job = nbdist.run(print_then_fork, how, np=1, timeout=100)
+    n = job.result(timeout=110)
+    assert n >= 20_000, "the rank's stdout was not block-buffered when it forked"
+    r = job.state.ranks[0]
+    assert [line.text for line in r.log] == [f"p {i}" for i in range(n)] + ["child",
+                                                                             "parent done"]
+    assert r.lines == n + 2
+
+
+def fork_again_and_again() -> int:
+    import os
+
+    for k in range(50):
+        for i in range(2_000):
+            print("p", k, i)
+        pid = os.fork()
+        if pid == 0:
+            print("c", k)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return 50
+
+
+def test_forks_while_the_output_is_being_flushed_never_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fifty forks in a flood (some as the flushing thread writes): none hangs, no line twice."""
+    monkeypatch.setattr(state, "LOG_LINES", 150_000)
+    job = nbdist.run(fork_again_and_again, np=1, timeout=60)
+    assert job.result(timeout=70) == 50
+    expected = [text for k in range(50) for text in [*(f"p {k} {i}" for i in range(2_000)),
+                                                     f"c {k}"]]
+    assert [line.text for line in job.state.ranks[0].log] == expected
