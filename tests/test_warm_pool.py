@@ -231,3 +231,41 @@ def test_an_install_between_runs_gets_a_new_zygote(
     stat = site.stat()
     os.utime(site, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert nbdist.run(first_job, np=1).result()["parent"] != parent
+
+
+def draws() -> dict[str, object]:
+    import os
+    import random
+
+    import numpy.random
+    import torch
+
+    out: dict[str, object] = {
+        "parent": os.getppid(), "random": random.random(), "numpy": float(numpy.random.rand()),
+        "torch": torch.randperm(8).tolist(),
+    }
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+    out["seeded"] = [random.random(), float(numpy.random.rand()), torch.randperm(8).tolist()]
+    return out
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_forked_ranks_draw_different_random_numbers_unless_seeded(
+    zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """random, numpy and torch differ per rank and per run, as in fresh interpreters; a seed
+    set in the cell still gives every rank the same stream."""
+    pytest.importorskip("torch")
+    pytest.importorskip("numpy")
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    runs = [nbdist.run(draws, np=2).results for _ in range(2)]
+    samples = [r for run in runs for r in run]
+    if zygote:  # the zygote imported numpy.random and torch before forking every one of them
+        (pid,) = local.pool.pids()
+        assert {r["parent"] for r in samples} == {pid}
+        assert {"numpy", "torch"} <= set(local.pool.modules)
+    for gen in ("random", "numpy", "torch"):
+        assert len({str(r[gen]) for r in samples}) == 4, (gen, [r[gen] for r in samples])
+    assert all(r["seeded"] == samples[0]["seeded"] for r in samples)

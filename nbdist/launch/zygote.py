@@ -14,7 +14,7 @@ and no CUDA driver loaded (a library that touched CUDA at import would leave the
 unable to use it). Otherwise it says why, and the pool starts fresh interpreters instead. A
 forked rank starts as a fresh one would: in a session of its own, with its own stdout, stderr
 and control pipes (passed over the zygote's socket with SCM_RIGHTS), default signal handlers
-and its own random state (Python's ``random`` reseeds itself in a fork).
+and its own random state (``_fresh_random_state``).
 
 The driver talks to the zygote over a ``SOCK_SEQPACKET`` socket pair, one JSON object per
 packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready``;
@@ -366,6 +366,33 @@ def _fork(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str)
     os._exit(70)  # EX_SOFTWARE: the rank runtime could not start (it leaves by os._exit)
 
 
+def _fresh_random_state() -> None:
+    """Reseed the global generators the zygote's imports created, from fresh OS entropy.
+
+    Every fork would otherwise start from the zygote's state: the same ``torch.randperm`` on
+    every rank of every run (correlated dropout, augmentation, sampling). A fresh interpreter
+    seeds them from entropy at import; so does this, for those already imported (a module not
+    imported yet seeds itself when the rank imports it). Python's ``random`` reseeds itself
+    after a fork. torch's CUDA generators need nothing: CUDA is never initialised in a zygote
+    (``_fork_safety``), and torch seeds each device's generator from entropy when the rank
+    first uses it, as in a fresh interpreter (``torch.seed()`` would instead queue the CPU
+    seed for every device). The string hash seed is fixed when an interpreter starts and
+    stays the zygote's: documented, not changeable after start.
+    """
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        try:
+            np_random.seed()  # the legacy global RandomState; default_rng() draws fresh anyway
+        except Exception:  # a broken or partial numpy must not stop the rank
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            torch.default_generator.seed()
+        except Exception:
+            pass
+
+
 def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> None:
     """In the forked child: shed the zygote's state, take the rank's pipes, run the rank."""
     signal.set_wakeup_fd(-1)
@@ -381,6 +408,7 @@ def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], syn
     os.close(err)
     os.environ["NBDIST_CTL_IN"], os.environ["NBDIST_CTL_OUT"] = str(ctl_in), str(ctl_out)
     os.environ["NBDIST_SYNC"] = sync
+    _fresh_random_state()
     from nbdist.runtime import main as run_rank
 
     run_rank()
