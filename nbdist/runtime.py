@@ -509,16 +509,55 @@ def _warm(modules: list[str]) -> None:
 
 def _set_env(spec: dict[str, Any]) -> None:
     env: dict[str, str] = spec.get("env", {})
+    threads_before = os.environ.get("OMP_NUM_THREADS")
     os.environ.update(env)
     if spec.get("cwd"):
         os.chdir(spec["cwd"])
+    threads = env.get("OMP_NUM_THREADS")
+    if threads is not None and threads != threads_before:
+        _size_thread_pools(threads)
+
+
+#: Variables that size one BLAS library's threads ahead of OMP_NUM_THREADS, which each of them
+#: falls back on (as under torchrun, which sets only OMP_NUM_THREADS).
+_OWN_THREADS_VARS = {
+    "openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"),
+    "mkl": ("MKL_NUM_THREADS",),
+    "blis": ("BLIS_NUM_THREADS",),
+    "flexiblas": ("FLEXIBLAS_NUM_THREADS",),
+}
+
+
+def _size_thread_pools(threads: str) -> None:
+    """Give the thread pools loaded before this rank had its OMP_NUM_THREADS that number.
+
+    A fresh interpreter starts with the variable set, and torch, OpenMP and the BLAS libraries
+    (numpy's OpenBLAS, MKL) size their pools from it as they load. A rank forked from a zygote
+    or a warm interpreter loaded them earlier, sized for the whole machine: torch is told
+    ``set_num_threads``, the others through threadpoolctl, except a BLAS whose own variable
+    (``OPENBLAS_NUM_THREADS``, ...) the rank has, which it read at load as a fresh rank would.
+    """
+    try:
+        n = int(threads)
+    except ValueError:
+        return
     torch = sys.modules.get("torch")
-    if torch is not None and "OMP_NUM_THREADS" in env:
-        # torch read OMP_NUM_THREADS when it was imported, before this rank had it.
+    if torch is not None:
         try:
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        except (ValueError, AttributeError):
+            torch.set_num_threads(n)
+        except (AttributeError, RuntimeError):
             pass
+    if not any(m in sys.modules for m in ("numpy", "scipy", "torch")):
+        return  # nothing that loads a BLAS or an OpenMP runtime: a fresh interpreter's state
+    try:
+        from threadpoolctl import ThreadpoolController
+
+        for lib in ThreadpoolController().lib_controllers:
+            own = _OWN_THREADS_VARS.get(lib.internal_api, ())
+            if lib.user_api in ("blas", "openmp") and not any(v in os.environ for v in own):
+                lib.set_num_threads(n)
+    except Exception:  # threadpoolctl missing, or a library it cannot drive: left as loaded
+        pass
 
 
 def _imported_since(before: set[str]) -> list[str]:

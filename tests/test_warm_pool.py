@@ -4,6 +4,7 @@ not safe."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -269,3 +270,74 @@ def test_forked_ranks_draw_different_random_numbers_unless_seeded(
     for gen in ("random", "numpy", "torch"):
         assert len({str(r[gen]) for r in samples}) == 4, (gen, [r[gen] for r in samples])
     assert all(r["seeded"] == samples[0]["seeded"] for r in samples)
+
+
+KERNEL_CHANGES_ITS_ATTRIBUTES = """
+import json, os, resource
+import nbdist
+from nbdist.launch import local
+
+def attributes():
+    import os, resource
+    with open("/proc/self/status") as status:
+        umask = next(line.split()[1] for line in status if line.startswith("Umask:"))
+    return {"umask": umask, "affinity": sorted(os.sched_getaffinity(0)),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "nofile": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+            "parent": os.getppid()}
+
+before = nbdist.run(attributes, np=1).result()
+local.pool.wait_ready(60)
+os.umask(0o027)
+os.nice(2)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+if len(os.sched_getaffinity(0)) > 1:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+after = nbdist.run(attributes, np=1).result()
+print(json.dumps({"before": before, "after": after, "kernel": attributes(),
+                  "zygotes": local.pool.pids()}))
+"""
+
+
+@pytest.mark.parametrize("zygote", ["1", "0"], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_ranks_get_the_kernels_umask_affinity_nice_and_limits_at_launch(zygote: str) -> None:
+    """After the kernel changed its umask, affinity, nice and a limit, a rank has the new ones."""
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHANGES_ITS_ATTRIBUTES], capture_output=True, text=True,
+        env={**os.environ, "NBDIST_ZYGOTE": zygote}, timeout=150, check=True,
+    ).stdout
+    seen = json.loads(out.splitlines()[-1])
+    kernel = {k: v for k, v in seen["kernel"].items() if k != "parent"}
+    assert {k: seen["after"][k] for k in kernel} == kernel
+    assert seen["before"]["umask"] != kernel["umask"]  # the change is what was checked
+    assert seen["before"]["nice"] != kernel["nice"]
+    if zygote == "1":  # forked, from a zygote of the new attributes
+        assert seen["after"]["parent"] in seen["zygotes"]
+
+
+def blas_threads() -> dict[str, object]:
+    import os
+
+    import numpy  # noqa: F401  (loads OpenBLAS)
+    from threadpoolctl import threadpool_info
+
+    return {"omp": os.environ["OMP_NUM_THREADS"],
+            "blas": [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]}
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_blas_thread_pools_follow_omp_num_threads(
+    zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy's BLAS runs OMP_NUM_THREADS threads per rank, also when loaded before the fork."""
+    pytest.importorskip("numpy")
+    pytest.importorskip("threadpoolctl")
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    for _ in range(2):  # the second run finds numpy loaded (in the zygote, or warm)
+        results = nbdist.run(blas_threads, np=2).results
+        for r in results:
+            assert r["blas"] and all(n == int(str(r["omp"])) for n in r["blas"]), r
+    if zygote:
+        assert "numpy" in local.pool.modules

@@ -85,6 +85,39 @@ def _installation_stamp() -> tuple[int, ...]:
     return tuple(stamps)
 
 
+def _process_attributes() -> tuple[object, ...]:
+    """What a process started now by this thread inherits besides its environment: umask,
+    CPU affinity, nice value and resource limits.
+
+    A zygote or warm interpreter started earlier has the kernel's attributes of then; when the
+    kernel changed one since (``os.umask``, ``os.sched_setaffinity``, ``os.nice``,
+    ``resource.setrlimit``), it is not used, and the rank starts as a fresh interpreter would.
+    Affinity and nice are per thread on Linux: the supervisor threads inherit the cell's
+    thread's at launch, as do the processes they start.
+    """
+    umask = None
+    try:  # /proc reads it without setting it (os.umask would, for every thread at once)
+        with open("/proc/self/status") as status:
+            umask = next((line.split()[1] for line in status if line.startswith("Umask:")),
+                         None)
+    except OSError:
+        pass
+    affinity = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    try:
+        nice: int | None = os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        nice = None
+    limits: tuple[tuple[int, int], ...] = ()
+    try:
+        import resource
+
+        limits = tuple(resource.getrlimit(getattr(resource, name)) for name in sorted(dir(
+            resource)) if name.startswith("RLIMIT_"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return (umask, affinity, nice, limits)
+
+
 class WarmPool:
     """Where the next job's ranks come from warm: a zygote per environment, else interpreters
     started ahead with the last job's modules imported.
@@ -94,9 +127,9 @@ class WarmPool:
     stays for the next job, which then starts at once, even right after the last one. Where a
     zygote cannot fork safely (a module started threads or touched CUDA at import), or off
     Linux, fresh interpreters are warmed after each job instead, ready a second or two later.
-    Either is only used by a job with the same Python, working directory and environment it
-    was started with; the rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame
-    before the payload.
+    Either is only used by a job with the same Python, working directory, environment and
+    process attributes (umask, CPU affinity, nice, resource limits) it was started with; the
+    rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame before the payload.
     """
 
     def __init__(self) -> None:
@@ -111,7 +144,7 @@ class WarmPool:
     @staticmethod
     def key(spec: RankSpec) -> tuple[object, ...]:
         return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())),
-                _installation_stamp())
+                _installation_stamp(), _process_attributes())
 
     @property
     def modules(self) -> list[str]:
