@@ -563,19 +563,82 @@ def _size_thread_pools(threads: str) -> None:
 def _imported_since(before: set[str]) -> list[str]:
     """Installed top-level packages imported since ``before`` (what to preload next time).
 
-    Only packages from the installation (site-packages, the standard library) qualify: the
-    user's own modules may be edited before the next run, and a warm interpreter would hold
-    the old code.
+    Only packages of the installation (``is_installed``) qualify: the user's own modules may be
+    edited before the next run, and a warm interpreter would hold the old code.
     """
-    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    dirs = installation_dirs()
     names = []
     for name in {n.partition(".")[0] for n in set(sys.modules) - before}:
         if not name or name.startswith("_") or name == "__main__":
             continue
-        path = getattr(sys.modules.get(name), "__file__", None) or ""
-        if path.startswith(roots) or "site-packages" in path or "dist-packages" in path:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(path, str) and is_installed(path, dirs):
             names.append(name)
     return sorted(names)
+
+
+_SITE_NAMES = ("site-packages", "dist-packages")
+
+
+def installation_dirs() -> list[str]:
+    """Real paths of the directories this interpreter's packages are installed in: its standard
+    library, its site directories, and any ``site-packages``/``dist-packages`` on sys.path."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = [paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        dirs += site.getsitepackages()
+    except AttributeError:  # the site module of an old virtualenv
+        pass
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    dirs += [e for e in sys.path if e and os.path.basename(os.path.normpath(e)) in _SITE_NAMES]
+    return sorted({os.path.realpath(d) for d in dirs if d})
+
+
+def is_installed(path: str, dirs: list[str]) -> bool:
+    """Whether ``path``, symlinks followed, lies in one of ``dirs`` (``installation_dirs``).
+
+    A real path with a separator boundary: a notebook folder named like the environment
+    (``<venv>-notebooks``) or a development checkout symlinked into site-packages is the
+    user's code, which may be edited, not part of the installation.
+    """
+    real = os.path.realpath(path)
+    return any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
+
+
+def module_files(known: dict[str, tuple[int, int]], since_ns: int) -> dict[str, tuple[int, int]]:
+    """``(mtime_ns, size)`` of the files of loaded modules not in ``known``.
+
+    A file modified after ``since_ns`` (when the imports that loaded it began) may have been
+    read before or after the change: it is recorded as ``(-1, -1)``, which ``changed_file``
+    reports as changed, so the doubt costs a restart, never stale code.
+    """
+    found = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or not os.path.isabs(path) or path in known:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        found[path] = (st.st_mtime_ns, st.st_size) if st.st_mtime_ns < since_ns else (-1, -1)
+    return found
+
+
+def changed_file(files: dict[str, tuple[int, int]]) -> str | None:
+    """The first of ``files`` (``module_files``) whose size or mtime is not as recorded."""
+    for path, (mtime, size) in files.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_mtime_ns, st.st_size) != (mtime, size):
+            return path
+    return None
 
 
 #: Set while a payload runs: a SIGINT raises KeyboardInterrupt in the user's code then, and is

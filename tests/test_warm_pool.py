@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -341,3 +344,87 @@ def test_blas_thread_pools_follow_omp_num_threads(
             assert r["blas"] and all(n == int(str(r["omp"])) for n in r["blas"]), r
     if zygote:
         assert "numpy" in local.pool.modules
+
+
+def _edit(path: Path, text: str) -> None:
+    """Rewrite a module in place (its directory untouched), with a new size and an mtime
+    that differs even on a file system of coarse timestamps (set back: not in the future)."""
+    before = path.stat().st_mtime_ns
+    path.write_text(text)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, before - 10_000_000_000))
+
+
+def _value_of(module: str) -> Callable[[], dict[str, object]]:
+    def value() -> dict[str, object]:
+        import importlib
+        import os
+
+        import torch  # noqa: F401  (so that the zygote has something worth keeping)
+
+        return {"value": importlib.import_module(module).VALUE, "parent": os.getppid()}
+
+    return value
+
+
+def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Code in ``<venv>-notebooks`` is the user's: imported fresh by every run, never kept."""
+    pytest.importorskip("torch")
+    folder = Path(sys.prefix + f"-notebooks-{os.getpid()}")
+    folder.mkdir()
+    try:
+        (folder / "nbdist_nbmod.py").write_text("VALUE = 1\n")
+        monkeypatch.syspath_prepend(str(folder))
+        assert nbdist.run(_value_of("nbdist_nbmod"), np=1).result()["value"] == 1
+        assert local.pool.wait_ready(timeout=60)
+        assert "torch" in local.pool.modules and "nbdist_nbmod" not in local.pool.modules
+        _edit(folder / "nbdist_nbmod.py", "VALUE = 22\n")
+        assert nbdist.run(_value_of("nbdist_nbmod"), np=1).result()["value"] == 22
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
+    tmp_path: Path,
+) -> None:
+    """A package whose real path is a checkout (symlinked in) is edited code, never kept."""
+    pytest.importorskip("torch")
+    checkout = tmp_path / "src" / "nbdist_devpkg"
+    checkout.mkdir(parents=True)
+    (checkout / "__init__.py").write_text("VALUE = 1\n")
+    link = Path(sysconfig.get_paths()["purelib"]) / "nbdist_devpkg"
+    link.symlink_to(checkout, target_is_directory=True)
+    try:
+        assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 1
+        assert local.pool.wait_ready(timeout=60)
+        assert "torch" in local.pool.modules and "nbdist_devpkg" not in local.pool.modules
+        _edit(checkout / "__init__.py", "VALUE = 22\n")
+        assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 22
+    finally:
+        link.unlink()
+
+
+def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
+    """An installed module the zygote preloaded, edited in place: the next run has the edit."""
+    pytest.importorskip("torch")
+    site = Path(sysconfig.get_paths()["purelib"])
+    module = site / "nbdist_sitemod.py"
+    module.write_text("VALUE = 1\n")
+    try:
+        first = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+        assert first["value"] == 1
+        assert local.pool.wait_ready(timeout=60)
+        assert "nbdist_sitemod" in local.pool.modules  # installed: the zygote holds it
+        _edit(module, "VALUE = 22\n")
+        second = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+        assert second["value"] == 22
+        # The stale zygote is replaced: the run after is forked from a new one, with the edit.
+        third = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+        assert third["value"] == 22 and third["parent"] in local.pool.pids()
+        assert third["parent"] != first["parent"]
+    finally:
+        module.unlink()
+        for cached in site.glob("__pycache__/nbdist_sitemod.*"):
+            cached.unlink()

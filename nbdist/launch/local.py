@@ -60,12 +60,10 @@ def visible_gpus() -> list[str]:
 
 def _user_paths() -> str:
     """The kernel's sys.path entries a fresh interpreter would not have (added by the user)."""
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    dirs = runtime.installation_dirs()
     keep = []
     for entry in sys.path:
-        if not entry or not os.path.isdir(entry):
-            continue
-        if entry.startswith(prefixes) or "site-packages" in entry or "dist-packages" in entry:
+        if not entry or not os.path.isdir(entry) or runtime.is_installed(entry, dirs):
             continue
         keep.append(os.path.abspath(entry))
     old = os.environ.get("PYTHONPATH")
@@ -74,14 +72,15 @@ def _user_paths() -> str:
 
 def _installation_stamp() -> tuple[int, ...]:
     """When the installation last changed: ``%pip install`` touches site-packages, and what a
-    zygote or warm interpreter imported before that is not what a fresh rank would import."""
+    zygote or warm interpreter imported before that is not what a fresh rank would import.
+    (A file edited in place inside site-packages does not touch the directory: a zygote finds
+    that itself, ``zygote.py``.)"""
     stamps = []
-    for entry in sys.path:
-        if "site-packages" in entry or "dist-packages" in entry:
-            try:
-                stamps.append(os.stat(entry).st_mtime_ns)
-            except OSError:
-                pass
+    for entry in runtime.installation_dirs():
+        try:
+            stamps.append(os.stat(entry).st_mtime_ns)
+        except OSError:
+            pass
     return tuple(stamps)
 
 
@@ -166,7 +165,10 @@ class WarmPool:
         evicted: list[Zygote] = []
         with self._lock:
             zygote = self._zygotes.pop(key, None)  # re-added last: the most recently used
-            if zygote is None or not zygote.alive:
+            if zygote is not None and (not zygote.alive or zygote.stale):
+                evicted.append(zygote)  # a module it imported was edited: a new one
+                zygote = None
+            if zygote is None:
                 while len(self._zygotes) >= ZYGOTES_MAX:  # the least recently used goes
                     evicted.append(self._zygotes.pop(next(iter(self._zygotes))))
                 try:
@@ -183,7 +185,7 @@ class WarmPool:
         for old in evicted:
             old.discard()
         if zygote is not None:
-            zygote.warm(sorted(set(modules) | self._last))
+            zygote.warm(sorted(set(modules) | self._last), check=True)
 
     def ready(self, spec: RankSpec, abort: threading.Event) -> None:
         """Wait until the zygote of ``spec``'s environment has imported what it was asked
@@ -215,6 +217,11 @@ class WarmPool:
             return
         self._last = set(modules)
         zygote = self._zygote(template)
+        if zygote is not None and zygote.stale:  # replaced now, ready for the next job
+            self.prepare(template, tuple(modules))
+            with self._lock:
+                self._arm_timer()
+            return
         if zygote is not None and zygote.safe:
             zygote.warm(modules)
             with self._lock:

@@ -17,7 +17,9 @@ and control pipes (passed over the zygote's socket with SCM_RIGHTS), default sig
 and its own random state (``_fresh_random_state``).
 
 The driver talks to the zygote over a ``SOCK_SEQPACKET`` socket pair, one JSON object per
-packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready``;
+packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready`` (which says
+``stale`` when a file of a module it imported changed on disk since: it then forks nothing
+more and the pool replaces it);
 ``{"t": "fork"}`` with four descriptors, answered by ``forked`` with the pid. Zygote → driver:
 ``{"t": "exit", "pid": P, "code": C}`` for each rank that ended (the zygote is their parent and
 reaps them). End of file on the socket means the driver is gone: the zygote exits, and its
@@ -45,6 +47,7 @@ import traceback
 from typing import IO, Any
 
 from nbdist.rank import RankProcess, new_sync_marker
+from nbdist.runtime import changed_file, installation_dirs, is_installed, module_files
 
 #: How the zygote is started; the ranks it forks show the same command line.
 COMMAND = "from nbdist.launch.zygote import main; main()"
@@ -82,7 +85,9 @@ class Zygote:
 
     def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        full = {**os.environ, **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno())}
+        # When it starts importing: a module file modified after this is not trusted.
+        full = {**os.environ, **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno()),
+                "NBDIST_ZYGOTE_T0": str(time.time_ns())}
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
             # Its own output goes nowhere: the ranks it forks get pipes of their own.
@@ -109,6 +114,8 @@ class Zygote:
         self.modules: set[str] = set()
         self.safe = True
         self.why = ""
+        #: A module it imported changed on disk since: it would fork stale code.
+        self.stale = False
         threading.Thread(target=self._read, name="nbdist-zygote", daemon=True).start()
 
     @property
@@ -116,10 +123,11 @@ class Zygote:
         return self.proc.pid
 
     # -- requests ------------------------------------------------------------------------------
-    def warm(self, modules: list[str] | tuple[str, ...]) -> None:
-        """Import ``modules`` (those not imported yet) in the background."""
+    def warm(self, modules: list[str] | tuple[str, ...], check: bool = False) -> None:
+        """Import ``modules`` (those not imported yet) in the background; with ``check`` (at
+        a launch), also when there is nothing new, for the zygote's check of its files."""
         new = sorted(set(modules) - self.modules)
-        if not new and self._asked:
+        if not new and self._asked and not check:
             return
         with self._cond:
             self._asked += 1
@@ -218,6 +226,7 @@ class Zygote:
                 with self._cond:
                     self.modules.update(msg.get("modules", ()))
                     self.safe, self.why = bool(msg.get("safe")), str(msg.get("why", ""))
+                    self.stale = self.stale or bool(msg.get("stale"))
                     self._answered += 1
                     self._cond.notify_all()
         self._lost()
@@ -260,7 +269,12 @@ class Zygote:
 # -- the zygote's side ----------------------------------------------------------------------------
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop("NBDIST_ZYGOTE_FD")))
+    started = int(os.environ.pop("NBDIST_ZYGOTE_T0", "0")) or time.time_ns()
     import nbdist.runtime  # noqa: F401  (what every rank runs, loaded once here)
+
+    # The files of every module it holds, as they were when imported: checked at each request
+    # to warm, that is at each launch, so that no rank is forked with code edited since.
+    files = module_files({}, started)
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -284,10 +298,15 @@ def main() -> None:
             os._exit(0)  # the driver is gone
         msg = json.loads(data)
         if msg.get("t") == "warm":
+            changed = changed_file(files)
+            since = time.time_ns()
             imported = _import(msg.get("modules", []))
+            files.update(module_files(files, since))
             safe, why = _fork_safety()
+            if changed is not None:
+                safe, why = False, f"{changed} changed on disk since the zygote imported it"
             sock.send(json.dumps({"t": "ready", "modules": imported, "safe": safe,
-                                  "why": why}).encode())
+                                  "why": why, "stale": changed is not None}).encode())
         elif msg.get("t") == "fork":
             ok = safe and len(fds) == 4
             pid = _fork(fds, sock, (wake_r, wake_w), str(msg.get("sync", ""))) if ok else None
@@ -308,9 +327,10 @@ def _reap(sock: socket.socket) -> None:
         sock.send(json.dumps({"t": "exit", "pid": pid, "code": code}).encode())
 
 
-def _installed(name: str) -> bool:
-    """True for a package of the installation (site-packages, the standard library), not one
-    of the user's (on the working directory or PYTHONPATH), which may be edited between runs."""
+def _installed(name: str, dirs: list[str]) -> bool:
+    """True for a package of the installation (``runtime.is_installed``: site-packages, the
+    standard library), not one of the user's (on the working directory or PYTHONPATH,
+    symlinked into site-packages), which may be edited between runs."""
     top = name.partition(".")[0]
     try:
         spec = importlib.util.find_spec(top)
@@ -320,17 +340,15 @@ def _installed(name: str) -> bool:
         return False
     if spec.origin in ("built-in", "frozen"):
         return True
-    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     paths = [p for p in (spec.origin, *(spec.submodule_search_locations or ())) if p]
-    return bool(paths) and all(
-        p.startswith(roots) or "site-packages" in p or "dist-packages" in p for p in paths
-    )
+    return bool(paths) and all(is_installed(p, dirs) for p in paths)
 
 
 def _import(modules: list[str]) -> list[str]:
     done = []
+    dirs = installation_dirs()
     for name in modules:
-        if not _installed(name):
+        if not _installed(name, dirs):
             continue
         try:
             importlib.import_module(name)
