@@ -57,6 +57,9 @@ PIPE_BYTES = 1 << 20
 HEARTBEAT_S = state.HEARTBEAT_S
 #: How often a session's supervisor checks that the driver is still there.
 DRIVER_CHECK_S = 0.5
+#: How long the output pumps may read on after the rank and everything it started are gone:
+#: only a process out of reach (no longer a descendant) can still hold the pipes then.
+PUMP_GRACE_S = 2.0
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
@@ -295,6 +298,7 @@ class Supervisor:
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
+        self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -432,21 +436,13 @@ class Supervisor:
         if proc is None:
             return RankOutcome(spec.rank, "cancelled")
         self._send(t="state", state="starting", pid=proc.pid, host=spec.host)
-        pumps = [
-            threading.Thread(target=self._pump, args=(proc.stdout, "o"), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, "e"), daemon=True),
-        ]
-        for t in pumps:
-            t.start()
-        ended = threading.Event()
-        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
-        code = proc.wait()
-        ended.set()
-        # Whatever the rank left in its group (servers, data loader workers) goes with it; this
-        # also closes the pipes those processes inherited, so the pumps reach end of file.
-        self._kill_group(signal.SIGKILL)
-        for t in pumps:
-            t.join(timeout=5)
+        # Readable once the pumps are to stop (the rank is gone, PUMP_GRACE_S passed).
+        self._stop_r, stop_w = os.pipe()
+        try:
+            code = self._watch(proc, stop_w)
+        finally:
+            os.close(self._stop_r)
+            os.close(stop_w)
         self._ctl_thread.join(timeout=5)
         outcome = RankOutcome(
             spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
@@ -495,6 +491,32 @@ class Supervisor:
         self._ctl_thread.start()
         return rp.proc
 
+    def _watch(self, proc: Proc, stop_w: int) -> int:
+        """Pump the rank's output until it ended and its pipes are done with; its exit code."""
+        pumps = [
+            threading.Thread(target=self._pump, args=(proc.stdout, "o"), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, "e"), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        ended = threading.Event()
+        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
+        code = proc.wait()
+        ended.set()
+        # Whatever the rank left in its group (servers, data loader workers) goes with it; this
+        # also closes the pipes those processes inherited, so the pumps reach end of file.
+        # (What it started in sessions of their own, its guardian has killed already.)
+        self._kill_group(signal.SIGKILL)
+        deadline = time.monotonic() + PUMP_GRACE_S
+        for t in pumps:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A process out of reach still holding a pipe (no descendant any more): stop reading
+        # rather than wait on it, and leave no thread or descriptor behind.
+        os.write(stop_w, b"x")
+        for t in pumps:
+            t.join()
+        return code
+
     def _beat(self, ended: threading.Event) -> None:
         """Heartbeats; a session's rank also goes when its driver does (the kernel stopped)."""
         last = time.monotonic()
@@ -505,8 +527,7 @@ class Supervisor:
                 return
             if time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
-                rp = self._rp
-                self._send(t="hb", rss=_rss(rp.pid) if rp is not None else None)
+                self._send(t="hb", rss=self._rank_rss())
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:
@@ -518,6 +539,8 @@ class Supervisor:
                     continue
                 if event.get("t") == "warm":
                     continue
+                if event.get("t") == "state" and event.get("state") == "ready":
+                    self._rank_pid = int(event.get("pid") or rp.pid)
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
                 elif event.get("t") == "modules":
@@ -538,8 +561,7 @@ class Supervisor:
         with self._sync_cond:
             want = self._cells_ended
             self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
-        rp = self._rp
-        rss = _rss(rp.pid) if rp is not None else None  # what the cell left, for %dist_session
+        rss = self._rank_rss()  # what the cell left, for %dist_session
         if kind == runtime.ERROR:
             self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
             return
@@ -552,6 +574,13 @@ class Supervisor:
             self._send(t="cell_result", cell=cell, data=text[start:start + RESULT_CHUNK],
                        more=not last, type=self._result_type, mac=mac if last else None,
                        rss=rss)
+
+    def _rank_rss(self) -> int | None:
+        """Memory of the rank and its children (not of its guardian, which shares most pages
+        with the rank and would count them twice)."""
+        rp = self._rp
+        pid = self._rank_pid or (rp.pid if rp is not None else None)
+        return _rss(pid) if pid is not None else None
 
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -568,12 +597,17 @@ class Supervisor:
         last_sent = 0.0
         partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
         cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
+        stopping = False  # the supervisor said stop: one more read of what is there
         with pipe:
             while True:
                 wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
                 ready = wait is not None and wait <= 0
                 if not ready:
-                    ready = bool(select.select([fd], [], [], wait)[0])
+                    readable = select.select([fd, self._stop_r], [], [], wait)[0]
+                    if self._stop_r in readable and (fd not in readable or stopping):
+                        break  # told to stop, and what was there to read is read
+                    stopping = self._stop_r in readable
+                    ready = fd in readable
                     if ready:
                         # Batching: within BATCH_S of the last send, let the pipe fill up
                         # instead of waking for every line a busy rank writes.

@@ -7,7 +7,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import nbdist
@@ -36,21 +35,32 @@ def test_every_rank_gets_the_torchrun_environment() -> None:
     assert job.result() == envs[0]
 
 
-def test_ranks_are_fresh_interpreters_in_their_own_process_group() -> None:
-    """No rank is a fork of the driver: each is a fresh interpreter or the fork of a zygote
-    (a fresh interpreter the driver started), has its own pid and leads its own group."""
-    from nbdist.launch.local import pool
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_ranks_are_fresh_interpreters_in_their_own_process_group(
+    zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No rank is a fork of the driver: each is the fork of a zygote (a fresh interpreter the
+    driver started) leading its own group, or a fresh interpreter in the group of its guardian,
+    which the driver started."""
+    from nbdist.launch import local
 
-    def who() -> tuple[int, int, int]:
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+
+    def who() -> tuple[int, int, int, int]:
         import os
 
-        return os.getpid(), os.getpgid(0), os.getppid()
+        import psutil
+
+        return os.getpid(), os.getpgid(0), os.getppid(), psutil.Process(os.getppid()).ppid()
 
     results = nbdist.run(who, np=2).results
-    for pid, pgid, ppid in results:
-        assert pid != os.getpid() and pgid == pid
-        assert ppid == os.getpid() or (ppid in pool.pids()
-                                       and psutil.Process(ppid).ppid() == os.getpid())
+    zygotes = local.pool.pids() if zygote else []
+    for pid, pgid, ppid, grandparent in results:
+        assert pid != os.getpid() and grandparent == os.getpid()
+        if zygote:
+            assert ppid in zygotes and pgid == pid
+        else:
+            assert pgid == ppid  # the guardian leads the group, the rank is its only child
 
 
 def test_output_is_live_and_labelled_by_rank(tmp_path: Path) -> None:

@@ -47,7 +47,14 @@ import traceback
 from typing import IO, Any
 
 from nbdist.rank import RankProcess, new_sync_marker
-from nbdist.runtime import changed_file, installation_dirs, is_installed, module_files
+from nbdist.runtime import (
+    become_subreaper,
+    changed_file,
+    end_orphans,
+    installation_dirs,
+    is_installed,
+    module_files,
+)
 
 #: How the zygote is started; the ranks it forks show the same command line.
 COMMAND = "from nbdist.launch.zygote import main; main()"
@@ -281,6 +288,10 @@ def main() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select below
+    # The guardian of its ranks (runtime._guard): what a rank that died at once leaves
+    # running comes to the zygote, which kills it; only the ranks are its own children.
+    become_subreaper()
+    ranks: set[int] = set()
     safe, why = _fork_safety()
     while True:
         readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
@@ -290,7 +301,7 @@ def main() -> None:
                     pass
             except BlockingIOError:
                 pass
-            _reap(sock)
+            _reap(sock, ranks)
         if sock.fileno() not in readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, _PACKET, 4)
@@ -310,20 +321,33 @@ def main() -> None:
         elif msg.get("t") == "fork":
             ok = safe and len(fds) == 4
             pid = _fork(fds, sock, (wake_r, wake_w), str(msg.get("sync", ""))) if ok else None
+            if pid is not None:
+                ranks.add(pid)
             for fd in fds:
                 os.close(fd)
             sock.send(json.dumps({"t": "forked", "pid": pid}).encode())
 
 
-def _reap(sock: socket.socket) -> None:
+def _reap(sock: socket.socket, ranks: set[int]) -> None:
+    """Reap what ended; say which ranks did, once what they left behind is killed.
+
+    A rank's orphans are adopted before its own end is signalled, so killing every child that
+    is not a running rank, before the exit goes out, means its supervisor sees its output
+    pipes close right after. Their own children come here as they die: the next SIGCHLD.
+    """
+    ended = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
-        code = os.waitstatus_to_exitcode(status)
+            break
+        if pid in ranks:
+            ranks.discard(pid)
+            ended.append((pid, os.waitstatus_to_exitcode(status)))
+    end_orphans(keep=frozenset(ranks))
+    for pid, code in ended:
         sock.send(json.dumps({"t": "exit", "pid": pid, "code": code}).encode())
 
 
@@ -429,4 +453,4 @@ def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], syn
     _fresh_random_state()
     from nbdist.runtime import main as run_rank
 
-    run_rank()
+    run_rank(guard=False)  # the zygote is its guardian

@@ -99,6 +99,14 @@ def test_processes_a_rank_starts_die_with_it(
     rows.lingering_children_die(spark, how, tmp_path)
 
 
+@pytest.mark.parametrize("death", list(rows.SUDDEN_DEATHS))
+def test_a_child_in_its_own_session_dies_with_a_rank_that_died_at_once(
+    spark: rows.Target, death: str, tmp_path: Path
+) -> None:
+    """os._exit, SIGKILL, segfault: the rank's setsid child is killed with it."""
+    rows.escaped_child_dies_with_its_rank(spark, death, tmp_path)
+
+
 def test_cancel_kills_escaped_children_too(spark: rows.Target, tmp_path: Path) -> None:
     """Cancelling a job kills what its ranks started in their own sessions."""
     rows.cancel_kills_escaped_children(spark, tmp_path)
