@@ -310,11 +310,13 @@ def main() -> None:
         msg = json.loads(data)
         if msg.get("t") == "warm":
             changed = changed_file(files)
-            since = time.time_ns()
-            imported = _import(msg.get("modules", []))
-            files.update(module_files(files, since))
-            safe, why = _fork_safety()
-            if changed is not None:
+            if changed is None:
+                since = time.time_ns()
+                imported = _import(msg.get("modules", []))
+                files.update(module_files(files, since))
+                safe, why = _fork_safety()
+            else:  # no more imports nor forks: the pool replaces it
+                imported = []
                 safe, why = False, f"{changed} changed on disk since the zygote imported it"
             sock.send(json.dumps({"t": "ready", "modules": imported, "safe": safe,
                                   "why": why, "stale": changed is not None}).encode())
