@@ -54,6 +54,9 @@ PIPE_BYTES = 1 << 20
 HEARTBEAT_S = state.HEARTBEAT_S
 #: How often a session's supervisor checks that the driver is still there.
 DRIVER_CHECK_S = 0.5
+#: How long the output pumps may read on after the rank and everything it started are gone:
+#: only a process out of reach (no longer a descendant) can still hold the pipes then.
+PUMP_GRACE_S = 2.0
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
@@ -130,7 +133,8 @@ class RankProcess:
         #: Frames from the interpreter, None at the end; one reader for its whole life, so a
         #: warm interpreter can be watched by its pool and then handed to a supervisor.
         self.frames: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
-        #: Set once the modules of a warm-up are imported.
+        #: Set once the modules of a warm-up are imported, or once the interpreter is gone (it
+        #: will never be warmer: a pool that let it go must not be waited for).
         self.warm = threading.Event()
         self._room = threading.Semaphore(PIECES_QUEUED)
         threading.Thread(
@@ -150,6 +154,7 @@ class RankProcess:
                         pass
                 self.frames.put(frame)
         self.frames.put(None)
+        self.warm.set()
 
     def piece_done(self) -> None:
         """A ``PIECE`` frame taken from ``frames`` was dealt with: room for the next one."""
@@ -299,6 +304,7 @@ class Supervisor:
         self._signer: Any = None  # the running HMAC of the session value being forwarded
         self._refused: str | None = None  # why a session value cannot go to this driver
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
+        self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -436,21 +442,13 @@ class Supervisor:
         if proc is None:
             return RankOutcome(spec.rank, "cancelled")
         self._send(t="state", state="starting", pid=proc.pid, host=spec.host)
-        pumps = [
-            threading.Thread(target=self._pump, args=(proc.stdout, "o"), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, "e"), daemon=True),
-        ]
-        for t in pumps:
-            t.start()
-        ended = threading.Event()
-        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
-        code = proc.wait()
-        ended.set()
-        # Whatever the rank left in its group (servers, data loader workers) goes with it; this
-        # also closes the pipes those processes inherited, so the pumps reach end of file.
-        self._kill_group(signal.SIGKILL)
-        for t in pumps:
-            t.join(timeout=5)
+        # Readable once the pumps are to stop (the rank is gone, PUMP_GRACE_S passed).
+        self._stop_r, stop_w = os.pipe()
+        try:
+            code = self._watch(proc, stop_w)
+        finally:
+            os.close(self._stop_r)
+            os.close(stop_w)
         self._ctl_thread.join(timeout=5)
         outcome = RankOutcome(
             spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
@@ -500,6 +498,32 @@ class Supervisor:
         self._ctl_thread.start()
         return rp.proc
 
+    def _watch(self, proc: Proc, stop_w: int) -> int:
+        """Pump the rank's output until it ended and its pipes are done with; its exit code."""
+        pumps = [
+            threading.Thread(target=self._pump, args=(proc.stdout, "o"), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, "e"), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        ended = threading.Event()
+        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
+        code = proc.wait()
+        ended.set()
+        # Whatever the rank left in its group (servers, data loader workers) goes with it; this
+        # also closes the pipes those processes inherited, so the pumps reach end of file.
+        # (What it started in sessions of their own, its guardian has killed already.)
+        self._kill_group(signal.SIGKILL)
+        deadline = time.monotonic() + PUMP_GRACE_S
+        for t in pumps:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A process out of reach still holding a pipe (no descendant any more): stop reading
+        # rather than wait on it, and leave no thread or descriptor behind.
+        os.write(stop_w, b"x")
+        for t in pumps:
+            t.join()
+        return code
+
     def _beat(self, ended: threading.Event) -> None:
         """Heartbeats; a session's rank also goes when its driver does (the kernel stopped)."""
         last = time.monotonic()
@@ -510,8 +534,7 @@ class Supervisor:
                 return
             if time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
-                rp = self._rp
-                self._send(t="hb", rss=_rss(rp.pid) if rp is not None else None)
+                self._send(t="hb", rss=self._rank_rss())
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:
@@ -523,6 +546,8 @@ class Supervisor:
                     continue
                 if event.get("t") == "warm":
                     continue
+                if event.get("t") == "state" and event.get("state") == "ready":
+                    self._rank_pid = int(event.get("pid") or rp.pid)
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
                     if self.spec.session:
@@ -575,8 +600,7 @@ class Supervisor:
         cell, self._cell = self._cell, None
         signer, self._signer = self._signer, None
         refused, self._refused = self._refused, None
-        rp = self._rp
-        rss = _rss(rp.pid) if rp is not None else None  # what the cell left, for %dist_session
+        rss = self._rank_rss()  # what the cell left, for %dist_session
         if kind == runtime.ERROR:
             self._cell_output_sent()
             self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
@@ -587,6 +611,13 @@ class Supervisor:
         else:
             self._send(t="cell_result", cell=cell, type=self._result_type,
                        mac=signer.hexdigest(), rss=rss)
+
+    def _rank_rss(self) -> int | None:
+        """Memory of the rank and its children (not of its guardian, which shares most pages
+        with the rank and would count them twice)."""
+        rp = self._rp
+        pid = self._rank_pid or (rp.pid if rp is not None else None)
+        return _rss(pid) if pid is not None else None
 
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -603,15 +634,21 @@ class Supervisor:
         last_sent = 0.0
         partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
         cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
+        stopping = False  # the supervisor said stop: one more read of what is there
         # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
         # pipe descriptors above select's FD_SETSIZE, which it refuses.
         with pipe, selectors.PollSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
+            sel.register(self._stop_r, selectors.EVENT_READ)
             while True:
                 wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
                 ready = wait is not None and wait <= 0
                 if not ready:
-                    ready = bool(sel.select(wait))
+                    readable = {key.fd for key, _ in sel.select(wait)}
+                    if self._stop_r in readable and (fd not in readable or stopping):
+                        break  # told to stop, and what was there to read is read
+                    stopping = self._stop_r in readable
+                    ready = fd in readable
                     if ready:
                         # Batching: within BATCH_S of the last send, let the pipe fill up
                         # instead of waking for every line a busy rank writes.

@@ -541,11 +541,12 @@ def _worker_pythonpath() -> dict[str, str]:
     Files shipped with ``addPyFile`` or ``--py-files`` are put on the worker's ``sys.path`` at
     run time, not in its environment; the rank's fresh interpreter would not see them.
     """
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    from nbdist.runtime import installation_dirs, is_installed
+
+    dirs = installation_dirs()
     keep = [
         entry for entry in sys.path
-        if entry and os.path.exists(entry) and not entry.startswith(prefixes)
-        and "site-packages" not in entry and "dist-packages" not in entry
+        if entry and os.path.exists(entry) and not is_installed(entry, dirs)
     ]
     old = os.environ.get("PYTHONPATH", "")
     paths = list(dict.fromkeys([*keep, *(p for p in old.split(os.pathsep) if p)]))

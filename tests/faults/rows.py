@@ -161,6 +161,33 @@ def f():
     wait_for(lambda: not alive(pid), GONE_WITHIN_S, f"the {how} child to die")
 
 
+#: A rank dying at once, and what its failure then says.
+SUDDEN_DEATHS = {
+    "os._exit": ("os._exit(3)", "exited with code 3 before returning a result"),
+    "SIGKILL": ("os.kill(os.getpid(), 9)", "was killed by SIGKILL"),
+    "segfault": ("import ctypes; ctypes.string_at(0)", "was killed by SIGSEGV"),
+}
+
+
+def escaped_child_dies_with_its_rank(target: Target, death: str, tmp_path: Path) -> None:
+    fault, expected = SUDDEN_DEATHS[death]
+    pidfile = tmp_path / "pid"
+    src = f"""
+def f():
+    import os, subprocess
+    # Its own session, and the rank's stdout and stderr: nothing of the rank's group.
+    p = subprocess.Popen(['sleep', '600'], start_new_session=True)
+    open({str(pidfile)!r}, 'w').write(str(p.pid))
+    print("started it", flush=True)
+    {fault}
+"""
+    err = failure(job_of(target, src, np=1))
+    assert expected in err.failures[0] and "started it" in err.failures[0]
+    pid = int(pidfile.read_text())
+    wait_for(lambda: not alive(pid), GONE_WITHIN_S, f"the escaped child to die ({death})")
+    all_gone(target)
+
+
 def cancel_kills_escaped_children(target: Target, tmp_path: Path) -> None:
     src = f"""
 def f():
