@@ -35,7 +35,7 @@ import cloudpickle
 
 from nbdist import events, state
 from nbdist.errors import DistributedError, NbdistError
-from nbdist.job import Job, choose_launcher, register
+from nbdist.job import Job, choose_launcher, register, unreachable_hint
 from nbdist.launch import Launcher
 from nbdist.rank import RankOutcome
 
@@ -240,11 +240,17 @@ class Session(Job):
                 self.broken = reason
         self._cancel(reason)
 
+    def _fail_all(self, reason: str) -> None:
+        self._fail(reason)
+
     def _on_outcome(self, outcome: RankOutcome) -> None:
         if outcome.status == "failed" and not self._stopping:
             with self._lock:
                 if self.broken is None:
-                    self.broken = outcome.describe().splitlines()[0]
+                    self.broken = (
+                        f"{outcome.channel_error}. {unreachable_hint(self.address)}"
+                        if outcome.channel_error else outcome.describe().splitlines()[0]
+                    )
                     self._dead = outcome
         super()._on_outcome(outcome)
 
