@@ -417,7 +417,8 @@ class Job:
         if lost is not None and lost.lost_host is not None:
             # Not "rank 2 failed ... nbdist stopped 1, 3": the host went, with all its ranks.
             gone = sorted(o.rank for o in ordered if o.lost_host == lost.lost_host)
-            why = (lost.error or {}).get("message", "")
+            why = str((lost.error or {}).get("message", ""))
+            why = why.removeprefix(f"its Spark executor on {lost.lost_host} was lost: ")
             msg = (f"the Spark executor on {lost.lost_host} was lost, and with it "
                    f"{_ranks(gone)} of {self.np}: {why}")
             others = [o.rank for o in ordered if o.rank not in gone]
@@ -576,7 +577,7 @@ def _server(address: events.DriverAddress) -> events.EventServer:
             f"(%config DistMagics.driver_port / NBDIST_DRIVER_PORT) and an address of this "
             f"machine to listen on (spark.driver.bindAddress); the address told to the ranks "
             f"(DistMagics.driver_host) need not be this machine's."
-        ) from exc
+        ) from None
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -146,10 +146,10 @@ class DistMagics(Magics):
         "driver in a container. Wins over NBDIST_DRIVER_HOST. Default: spark.driver.host.",
     )
     driver_port = Int(
-        0, config=True,
+        None, allow_none=True, config=True,
         help="A fixed port for the event channel (bound on the driver, told to the ranks), "
-        "e.g. one forwarded into a container. Wins over NBDIST_DRIVER_PORT. Default: any "
-        "free port.",
+        "e.g. one forwarded into a container; 0: any free port. Wins over NBDIST_DRIVER_PORT. "
+        "Default: any free port.",
     )
     heartbeat_timeout = Float(
         None, allow_none=True, config=True,

@@ -20,21 +20,23 @@ from nbdist.rank import RankOutcome
 #: How long a remote rank and the driver each wait to hear from the other before they take
 #: it for gone (a network cut off, a host powered down: no connection reset ever comes).
 HEARTBEAT_TIMEOUT_S = 60.0
+#: Shorter timeouts would take a rank that missed one heartbeat on a busy host for gone.
+MIN_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 @dataclass
 class Settings:
     """The kernel's network settings for remote ranks (``%config DistMagics.<name>``).
 
-    Empty or zero means "not set here": the environment variable, then Spark's own
-    setting, apply (:func:`setting`).
+    None or "" means "not set here": the environment variable, then Spark's own setting,
+    apply (:func:`setting`).
     """
 
     #: The address Spark ranks connect to for the event channel (NBDIST_DRIVER_HOST).
     driver_host: str = ""
     #: A fixed port for the event channel, e.g. one forwarded into a container
-    #: (NBDIST_DRIVER_PORT).
-    driver_port: int = 0
+    #: (NBDIST_DRIVER_PORT); 0: any free port.
+    driver_port: int | None = None
     #: Seconds without a word from the other side before a remote rank, or the driver, takes
     #: it for gone (NBDIST_HEARTBEAT_TIMEOUT); 0 turns the keepalive off.
     heartbeat_timeout: float | None = None
@@ -53,7 +55,7 @@ def setting(name: str) -> tuple[str, str]:
     ``%config DistMagics.<name>`` wins over the environment variable.
     """
     value = getattr(settings, name)
-    if value not in ("", 0, None):
+    if value is not None and value != "":
         return str(value), f"%config DistMagics.{name}"
     env = _ENV[name]
     if os.environ.get(env, "").strip():
@@ -79,10 +81,6 @@ def heartbeat_timeout() -> float | None:
             f"or 0 to turn the keepalive off"
         )
     return seconds
-
-
-#: Shorter timeouts would take a rank that missed one heartbeat on a busy host for gone.
-MIN_HEARTBEAT_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,8 @@ class SparkLauncher:
         except ValueError:
             raise ValueError(f"{port_from} must be a port number, not {port_text!r}") from None
         if not 0 <= port <= 65535:
-            raise ValueError(f"{port_from} must be a port number (1-65535), not {port}")
+            raise ValueError(f"{port_from} must be a port number (1-65535, or 0 for any), "
+                             f"not {port}")
         source = (
             f"on {events.interface_text(bind)} (spark.driver.bindAddress"
             f"{f'={bind}' if bind else ' is not set'})"

@@ -110,6 +110,7 @@ class Kernel:
             elif kind == "error":
                 reply.ename = content["ename"]
                 reply.error = _plain("\n".join(content["traceback"]))
+                print(f"--- the cell raised:\n{reply.error}")  # shown when a test fails
             elif kind == "execute_result":
                 reply.value = content["data"].get("text/plain")
             elif kind == "status" and content["execution_state"] == "idle":
