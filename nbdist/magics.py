@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Enum, Float, Int, Unicode, observe
+from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
 
 from nbdist import events, launch
 from nbdist import job as jobs
@@ -158,6 +158,24 @@ class DistMagics(Magics):
         "network cut off. At least 10; 0 turns it off. Wins over NBDIST_HEARTBEAT_TIMEOUT. "
         f"Default: {launch.HEARTBEAT_TIMEOUT_S:g}.",
     )
+
+    @validate("heartbeat_timeout")
+    def _valid_timeout(self, proposal: Any) -> float | None:
+        value = proposal["value"]
+        if value is not None:
+            try:
+                launch.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
+            except ValueError as exc:
+                raise TraitError(str(exc)) from None
+        return value  # type: ignore[no-any-return]
+
+    @validate("driver_port")
+    def _valid_port(self, proposal: Any) -> int | None:
+        value = proposal["value"]
+        if value is not None and not 0 <= value <= 65535:
+            raise TraitError(f"DistMagics.driver_port must be a port number (1-65535, or 0 for "
+                             f"any free port), not {value}")
+        return value  # type: ignore[no-any-return]
 
     @observe("driver_host", "driver_port", "heartbeat_timeout")
     def _network_setting(self, change: Any) -> None:

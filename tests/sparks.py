@@ -350,20 +350,11 @@ def no_leftover_spark_ranks(spark_mark: str) -> Iterator[None]:
     """
     from nbdist.launch.local import pool
 
-    from .conftest import GONE_WITHIN_S
+    from .conftest import none_left
 
     yield
     pool.clear()  # warm local interpreters are meant to outlive a job, not a test
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (left := marked_rank_processes(spark_mark)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    described = {p.pid: " ".join(p.cmdline()[:4]) for p in left if p.is_running()}
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    assert not described, f"rank processes left running after the test: {described}"
+    none_left(lambda: marked_rank_processes(spark_mark))
 
 
 def spark_job_ids(session: SparkSession, probe: str) -> int:

@@ -86,6 +86,24 @@ def test_heartbeat_timeout_default_off_and_bounds(
     assert launch.heartbeat_timeout() == 30
 
 
+def test_network_traits_refuse_bad_values_when_set(ip: Any, settings: launch.Settings) -> None:
+    """``%config`` refuses a heartbeat timeout under 10 s and a port out of range at once."""
+    from traitlets import TraitError
+
+    from nbdist.magics import DistMagics
+
+    magics = ip.magics_manager.registry[DistMagics.__name__]
+    with pytest.raises(TraitError, match="DistMagics.heartbeat_timeout=5.0: the heartbeat "
+                                          "timeout must be at least 10 s"):
+        magics.heartbeat_timeout = 5.0
+    with pytest.raises(TraitError, match="not 70000"):
+        magics.driver_port = 70000
+    magics.heartbeat_timeout = 0.0  # off
+    assert launch.heartbeat_timeout() is None
+    magics.heartbeat_timeout = None
+    assert launch.heartbeat_timeout() == 60
+
+
 def test_interface_to_an_address_is_the_one_routing_there() -> None:
     """Loopback addresses are reached through ``lo``; an unroutable one gives None."""
     assert interface_to("127.0.0.1") == "lo"

@@ -68,13 +68,18 @@ def heartbeat_timeout() -> float | None:
     value, source = setting("heartbeat_timeout")
     if not value:
         return HEARTBEAT_TIMEOUT_S
+    return check_heartbeat_timeout(value, source)
+
+
+def check_heartbeat_timeout(value: str | float, source: str) -> float | None:
+    """``value`` as a heartbeat timeout (None for 0: off), or a ValueError naming ``source``."""
     try:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"{source} must be a number of seconds, not {value!r}") from None
     if seconds == 0:
         return None
-    if seconds < MIN_HEARTBEAT_TIMEOUT_S:
+    if not seconds >= MIN_HEARTBEAT_TIMEOUT_S:
         raise ValueError(
             f"{source}={value}: the heartbeat timeout must be at least "
             f"{MIN_HEARTBEAT_TIMEOUT_S:g} s (ranks and driver each say something every 5 s), "

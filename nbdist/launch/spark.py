@@ -399,10 +399,9 @@ class SparkLauncher:
         if found is None:
             return None
         executor = found.group(1)
-        for task in _TASK_WHERE.finditer(text):  # "(10.0.0.4 executor 1)", where Spark says
-            if task.group(2) == executor:
-                return task.group(1)
-        try:  # Spark's list of executors, the dead ones included
+        # A barrier stage's failure names the executor, not its host: Spark's list of
+        # executors (the dead ones included) has it.
+        try:
             listed = self._sc._jsc.sc().statusStore().executorList(False)
             for i in range(listed.size()):
                 summary = listed.apply(i)
@@ -477,7 +476,6 @@ def _outcome(rank: int, fields: _Fields) -> RankOutcome:
 
 
 _EXECUTOR_LOST = re.compile(r"ExecutorLostFailure \(executor (\S+) ")
-_TASK_WHERE = re.compile(r"\(([^()\s]+) executor (\S+?)\)")
 _LOST_TASK = re.compile(r"Lost task (\d+)\.\d+ in stage")
 _BARRIER_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ..conftest import GONE_WITHIN_S
+from ..conftest import GONE_WITHIN_S, none_left
 from ..sparks import Cluster
 from .hosts import Network, missing
 from .kernel import Kernel
@@ -159,16 +158,8 @@ def rank_processes(network: Network, hosts: tuple[str, ...] = WORKERS) -> list[p
 def ranks_gone(network: Network, within: float = GONE_WITHIN_S,
                hosts: tuple[str, ...] = WORKERS) -> None:
     """Every rank process on ``hosts`` is gone within ``within`` seconds (else kill, fail)."""
-    deadline = time.monotonic() + within
-    while (left := rank_processes(network, hosts)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    described = {p.pid: " ".join(p.cmdline()[:4]) for p in left if p.is_running()}
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    assert not described, f"rank processes left running: {described}"
+    none_left(lambda: rank_processes(network, hosts), within,
+              f"rank processes left running on {', '.join(hosts)}")
 
 
 @pytest.fixture

@@ -343,7 +343,8 @@ def test_unreachable_or_unbindable_event_server_says_which_setting(
             assert "cannot listen for its ranks on every interface port 47002" in error, error
             assert "port 47002 (%config DistMagics.driver_port)" in error, error
     finally:
-        kernel.execute("%config DistMagics.driver_host = ''\n%config DistMagics.driver_port = None\n"
+        kernel.execute("%config DistMagics.driver_host = ''\n"
+                       "%config DistMagics.driver_port = None\n"
                        "if '_mh_blocker' in globals():\n    _mh_blocker.close()")
 
 
