@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from ..conftest import GONE_WITHIN_S, none_left
-from ..sparks import Cluster
+from ..sparks import MARK, Cluster
 from .hosts import Network, missing
 from .kernel import Kernel
 
@@ -98,10 +98,11 @@ def network() -> Iterator[Network]:
 
 
 def _clean_env() -> dict[str, str]:
-    """This process's environment without what would pin Spark to loopback."""
+    """This process's environment without what would pin Spark to loopback (or mark these
+    ranks as the single-host Spark tests' own, ``tests/sparks.py``)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_LOCAL_IP", "SPARK_LOCAL_HOSTNAME", "NBDIST_DRIVER_HOST",
-                        "NBDIST_DRIVER_PORT", "NBDIST_HEARTBEAT_TIMEOUT")}
+                        "NBDIST_DRIVER_PORT", "NBDIST_HEARTBEAT_TIMEOUT", MARK)}
     env["PYSPARK_PYTHON"] = sys.executable  # executors run this interpreter (nbdist, torch)
     return env
 
