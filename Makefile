@@ -26,9 +26,11 @@ lint: setup
 	$(VENV)/bin/ruff check nbdist tests benchmarks notebooks
 	$(VENV)/bin/mypy
 
-# Java 17 for Spark and Debian's chromium for the browser test; root installs them with apt-get.
+# Java 17 for Spark, Debian's chromium for the browser test, iproute2 (`ip netns`) for the
+# multi-host tests (tests/multihost, which also need root); root installs them with apt-get.
 system-deps:
 	@command -v java >/dev/null || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }
+	@command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq iproute2; }
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
 
 test: setup system-deps lint

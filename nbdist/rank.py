@@ -26,6 +26,7 @@ import queue
 import secrets
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -216,6 +217,12 @@ class RankSpec:
     #: A persistent session's rank (``%dist_session``): no payload at start; cells arrive from
     #: the driver over the event channel, one after another, until it says ``quit``.
     session: bool = False
+    #: The rank's host as its backend's scheduler names it (a Spark executor's address), so
+    #: that the driver can tell which ranks a lost executor took along.
+    executor: str = ""
+    #: Stop the rank when the driver has said nothing (not even its pings) for this long:
+    #: the driver is gone, or the network to it is (None: only a closed connection counts).
+    heartbeat_timeout: float | None = None
 
 
 @dataclass
@@ -233,6 +240,9 @@ class RankOutcome:
     result_type: str | None = None  # "module.Class" of the result, known even if unpicklable
     lost_lines: int = 0  # lines of output that never reached the driver
     channel_error: str | None = None  # why the event server could not be reached, if so
+    #: Set by a backend whose host for this rank went away under it (a Spark executor lost):
+    #: that host, so the driver can name every rank that was on it.
+    lost_host: str | None = None
 
     def describe(self) -> str:
         """The failure as text: the remote traceback, or the exit status and last output."""
@@ -356,7 +366,8 @@ class Supervisor:
                 f"rank {spec.rank} on {spec.host} cannot reach the driver's event server at "
                 f"{spec.driver[0]}:{spec.driver[1]}: {type(exc).__name__}: {exc}"
             )
-            if self._gather is None:
+            # A session's cells come over the channel: without it there is nothing to run.
+            if self._gather is None or spec.session:
                 return RankOutcome(spec.rank, "failed", channel_error=self._channel_error, error={
                     "type": "ConnectionError", "traceback": "", "message": self._channel_error,
                 })
@@ -364,9 +375,13 @@ class Supervisor:
                 target=self._world_without_channel, args=(self._gather, hello), daemon=True,
                 name=f"nbdist-gather-{spec.rank}",
             ).start()
+        ended = threading.Event()
+        threading.Thread(target=self._beat, args=(ended,), daemon=True,
+                         name=f"nbdist-beat-{spec.rank}").start()
         try:
             return self._run_rank()
         finally:
+            ended.set()
             if self._killer is not None:
                 self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
             self._kill_group(signal.SIGKILL)
@@ -383,6 +398,8 @@ class Supervisor:
         }
         if spec.rank == 0:
             hello["port"] = events.free_port()
+        if spec.executor:
+            hello["executor"] = spec.executor
         return hello
 
     def _connect(self, hello: dict[str, Any]) -> None:
@@ -421,6 +438,7 @@ class Supervisor:
                 return False  # the fallback rendezvous failed
             if client is not None and not client.alive:
                 return False
+            # (A driver that went silent is caught by _beat, which cancels.)
         return not self._cancelled.is_set()
 
     def _run_rank(self) -> RankOutcome:
@@ -476,6 +494,7 @@ class Supervisor:
         world = dict(self._world_env)
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
             world.pop("OMP_NUM_THREADS", None)  # the user's setting wins
+        world.update(socket_ifnames(world, spec.env))
         with self._lock:
             if self._cancelled.is_set():
                 return None
@@ -506,10 +525,7 @@ class Supervisor:
         ]
         for t in pumps:
             t.start()
-        ended = threading.Event()
-        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
         code = proc.wait()
-        ended.set()
         # Whatever the rank left in its group (servers, data loader workers) goes with it; this
         # also closes the pipes those processes inherited, so the pumps reach end of file.
         # (What it started in sessions of their own, its guardian has killed already.)
@@ -525,13 +541,33 @@ class Supervisor:
         return code
 
     def _beat(self, ended: threading.Event) -> None:
-        """Heartbeats; a session's rank also goes when its driver does (the kernel stopped)."""
+        """Heartbeats to the driver from the hello on, and the keepalive the other way.
+
+        A session's rank goes when its connection to the driver closes (the kernel stopped).
+        With ``heartbeat_timeout`` any rank goes when the driver said nothing for that long
+        while the connection looked open: the driver's host or the network to it is gone,
+        and no reset will ever come to say so. A job's rank too: its result could not reach
+        the driver anyway, and its GPUs would stay taken until Spark gives up on the driver
+        (its ``spark.network.timeout``, minutes). A job's rank whose connection was *closed*
+        runs on: its result still returns through the backend.
+        """
+        spec = self.spec
+        timeout = spec.heartbeat_timeout
         last = time.monotonic()
-        while not ended.wait(DRIVER_CHECK_S if self.spec.session else HEARTBEAT_S):
+        while not ended.wait(DRIVER_CHECK_S if spec.session or timeout else HEARTBEAT_S):
             client = self._client
-            if self.spec.session and (client is None or not client.alive):
+            if spec.session and (client is None or not client.alive):
                 self.cancel()
                 return
+            if timeout and client is not None and client.alive:
+                quiet = time.monotonic() - client.last_heard
+                if quiet > timeout:
+                    # Only the executor's log can tell: the driver is out of reach.
+                    print(f"nbdist: stopping rank {spec.rank}: nothing from the driver at "
+                          f"{spec.driver[0]}:{spec.driver[1]} for {quiet:.0f} s "
+                          f"(heartbeat timeout {timeout:g} s)", file=sys.stderr, flush=True)
+                    self.cancel()
+                    return
             if time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
                 self._send(t="hb", rss=self._rank_rss())
@@ -755,6 +791,47 @@ class Supervisor:
                     child.kill()
                 except Exception:  # psutil.Error: already gone
                     pass
+
+
+#: The variables torch's gloo and NCCL read to choose the interface they listen on.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def socket_ifnames(world: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` for a rank: the interface of this host
+    that routes to ``MASTER_ADDR``; those the user set (host environment, ``--env``) are kept.
+
+    Without them gloo listens on the address this host's name resolves to, which on Debian
+    and Ubuntu hosts is ``127.0.1.1`` (``/etc/hosts``): peers on other hosts are then told to
+    connect to a loopback address and ``init_process_group`` times out.
+    """
+    wanted = [k for k in SOCKET_IFNAME_VARS if k not in os.environ and k not in env
+              and k not in world]
+    master = world.get("MASTER_ADDR")
+    if not wanted or not master:
+        return {}
+    name = interface_to(master)
+    return dict.fromkeys(wanted, name) if name else {}
+
+
+def interface_to(address: str) -> str | None:
+    """The name of this host's interface that packets to ``address`` leave from, if known.
+
+    A UDP socket's ``connect`` sends nothing: the kernel only picks the route and with it
+    the source address, whose interface psutil names.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(sockaddr)
+            source = str(probe.getsockname()[0])
+        import psutil
+    except (OSError, ImportError, IndexError):
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == family and a.address.split("%")[0] == source for a in addrs):
+            return str(name)
+    return None
 
 
 def _rss(pid: int) -> int | None:

@@ -20,6 +20,8 @@ class Hello:
     port: int | None = None  # a free port on the host, offered by rank 0 for MASTER_PORT
     gpus: tuple[str, ...] = ()  # GPU addresses this rank may use (Spark task resources)
     cpus: int = 1  # CPUs on the host, to size OMP_NUM_THREADS
+    #: The host as the backend's scheduler names it (a Spark executor's address); "" locally.
+    executor: str = ""
 
     @classmethod
     def from_event(cls, rank: int, event: Mapping[str, Any]) -> Hello:
@@ -28,7 +30,12 @@ class Hello:
         return cls(
             rank=rank, host=str(event.get("host")), port=port if isinstance(port, int) else None,
             gpus=tuple(str(g) for g in event.get("gpus") or ()), cpus=int(event.get("cpus") or 1),
+            executor=str(event.get("executor") or ""),
         )
+
+    def on(self, host: str) -> bool:
+        """Whether this rank runs on ``host`` (by its address or its executor's)."""
+        return host in (self.host, self.executor)
 
 
 def plan_world(

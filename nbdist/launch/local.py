@@ -22,6 +22,7 @@ from typing import Any
 
 from nbdist import runtime
 from nbdist.errors import CapacityError
+from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest
 from nbdist.launch.zygote import Zygote
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
@@ -356,6 +357,7 @@ class LocalLauncher:
     """Ranks as local processes; see the module docstring."""
 
     name = "local"
+    remote = False  # the supervisors are threads of the kernel: no keepalive needed
 
     def __init__(self) -> None:
         self._supervisors: list[Supervisor] = []
@@ -369,8 +371,8 @@ class LocalLauncher:
         self._first = threading.Event()  # rank 0 has its process (or never will)
         self._on_outcome: Callable[[RankOutcome], None] = lambda outcome: None
 
-    def driver_host(self) -> str:
-        return "127.0.0.1"
+    def driver_address(self) -> DriverAddress:
+        return DriverAddress("127.0.0.1", "127.0.0.1", 0, "the local backend (loopback)")
 
     def capacity(self) -> Capacity:
         cpus = os.cpu_count() or 1

@@ -249,7 +249,7 @@ def f():
 """
     job = job_of(target, src)
     wait_for(lambda: all(r.last_line == "working" for r in job.state.ranks), 120, "ranks up")
-    server = events.shared_server(job.launcher.driver_host())
+    server = events.shared_server(job.launcher.driver_address())
     rejected = server.rejected
     for payload in (b"GET / HTTP/1.1\r\n\r\n",
                     events.encode({"t": "hello", "job": job.id, "rank": 0, "mac": "0" * 64}),
@@ -288,8 +288,12 @@ class Misdirected:
         self.name = launcher.name
         self.port = events.free_port("127.0.0.1")  # free: nothing listens on it
 
-    def driver_host(self) -> str:
-        return self.launcher.driver_host()
+    @property
+    def remote(self) -> bool:
+        return self.launcher.remote
+
+    def driver_address(self) -> events.DriverAddress:
+        return self.launcher.driver_address()
 
     def capacity(self) -> Any:
         return self.launcher.capacity()
@@ -344,7 +348,7 @@ def unreachable_event_server(target: Target) -> None:
         assert job.results == [(0, 2), (1, 2)]  # the world was planned, the collective ran
     lost = job.lost_output
     assert lost is not None and str(warned[0].message) == lost == job.state.reason
-    where = f"{job.launcher.driver_host()}:{launcher.port}"
+    where = f"{job.address.advertise}:{launcher.port}"
     assert re.search(r"output lost from ranks 0, 1: 8 lines of output and [1-9]\d* "
                      r"progress/metrics updates never reached the notebook", lost), lost
     assert f"cannot reach the driver's event server at {where}: ConnectionRefusedError" in lost
@@ -391,7 +395,7 @@ def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
 
     ended = job_of(target, "def f():\n    return 0\n", np=1)
     assert ended.results == [0]
-    server = events.shared_server(ended.launcher.driver_host())
+    server = events.shared_server(ended.launcher.driver_address())
     before = server.rejected
     cases = hostile.malformed(ended.id)
     cases.append(("a signed hello for the job that just ended",
@@ -406,7 +410,7 @@ def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
 def a_job_among_idle_strangers(target: Target, tmp_path: Path) -> None:
     from .. import hostile
 
-    server = events.shared_server(choose_launcher(1, target.backend)[0].driver_host())
+    server = events.shared_server(choose_launcher(1, target.backend)[0].driver_address())
     before = server.rejected
     with hostile.IdleStrangers(server.address, 1000) as strangers:
         streams_live(target, tmp_path, "among-strangers")
