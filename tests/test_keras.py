@@ -1,0 +1,109 @@
+"""TensorFlow and Keras on local ranks: TF_CONFIG for MultiWorkerMirroredStrategy, Keras 3's
+distribution variables, and real multi-worker training in ``%%distributed`` cells.
+
+The rendezvous tests need no TensorFlow; the training tests skip without it (``nbdist[tf]``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+import nbdist
+from nbdist.world import Hello, plan_world
+
+
+def tf_config(env: dict[str, str]) -> dict[str, object]:
+    return json.loads(env["TF_CONFIG"])  # type: ignore[no-any-return]
+
+
+# -- the rendezvous: TF_CONFIG and KERAS_DISTRIBUTION_* -----------------------------------------
+def test_tf_config_lists_every_rank_as_a_worker_in_rank_order() -> None:
+    """Each rank's reserved port is worker RANK in every rank's TF_CONFIG; its task is itself."""
+    hellos = {0: Hello(0, "a", 29500, tf_port=2001), 1: Hello(1, "b", tf_port=2002),
+              2: Hello(2, "a", tf_port=2003)}
+    envs = plan_world(hellos, 3, "r", "j")
+    for rank in range(3):
+        config = tf_config(envs[rank])
+        assert config == {"cluster": {"worker": ["a:2001", "b:2002", "a:2003"]},
+                          "task": {"type": "worker", "index": rank}}
+
+
+def test_keras_distribution_points_at_rank_zero() -> None:
+    """Keras 3's job address is MASTER_ADDR:MASTER_PORT; process count and id follow RANK."""
+    hellos = {0: Hello(0, "a", 29500, tf_port=1), 1: Hello(1, "b", tf_port=2)}
+    envs = plan_world(hellos, 2, "r", "j")
+    for rank in (0, 1):
+        assert envs[rank]["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == "a:29500"
+        assert envs[rank]["KERAS_DISTRIBUTION_NUM_PROCESSES"] == "2"
+        assert envs[rank]["KERAS_DISTRIBUTION_PROCESS_ID"] == str(rank)
+
+
+def test_ipv6_hosts_are_bracketed() -> None:
+    """An IPv6 host is written [host]:port, as gRPC and JAX's coordinator parse it."""
+    envs = plan_world({0: Hello(0, "fd00::1", 29500, tf_port=7)}, 1, "r", "j")
+    assert tf_config(envs[0])["cluster"] == {"worker": ["[fd00::1]:7"]}
+    assert envs[0]["KERAS_DISTRIBUTION_JOB_ADDRESSES"] == "[fd00::1]:29500"
+    assert envs[0]["MASTER_ADDR"] == "fd00::1"  # torch takes the bare address
+
+
+def test_no_tf_config_without_every_port_and_user_env_wins() -> None:
+    """A rank without a reserved port leaves TF_CONFIG out; --env TF_CONFIG replaces nbdist's."""
+    envs = plan_world({0: Hello(0, "a", 1, tf_port=5), 1: Hello(1, "a")}, 2, "r", "j")
+    assert "TF_CONFIG" not in envs[0] and "TF_CONFIG" not in envs[1]
+    mine = json.dumps({"cluster": {"chief": ["x:1"]}, "task": {"type": "chief", "index": 0}})
+    envs = plan_world({0: Hello(0, "a", 1, tf_port=5)}, 1, "r", "j", user_env={"TF_CONFIG": mine})
+    assert envs[0]["TF_CONFIG"] == mine
+
+
+def test_two_ranks_offering_one_address_is_an_error() -> None:
+    """The same host:port for two workers is refused, naming it (one TF server could not start)."""
+    with pytest.raises(ValueError, match="same TensorFlow worker address a:5"):
+        plan_world({0: Hello(0, "a", 1, tf_port=5), 1: Hello(1, "a", tf_port=5)}, 2, "r", "j")
+
+
+def test_hello_round_trips_the_tf_port() -> None:
+    """The TF port travels in the hello as JSON and comes back as an int (or None)."""
+    assert Hello.from_event(1, {"host": "h", "tf_port": 4242}).tf_port == 4242
+    assert Hello.from_event(1, {"host": "h", "tf_port": "4242"}).tf_port is None
+    assert Hello.from_event(1, {"host": "h"}).tf_port is None
+
+
+def ports_bind_on_their_rank() -> tuple[str, bool]:
+    """On a rank: its TF_CONFIG entry, and whether its port can be bound on all interfaces."""
+    import json
+    import os
+    import socket
+
+    config = json.loads(os.environ["TF_CONFIG"])
+    mine = config["cluster"]["worker"][config["task"]["index"]]
+    with socket.socket() as s:
+        try:
+            s.bind(("", int(mine.rsplit(":", 1)[1])))
+        except OSError:
+            return mine, False
+    return mine, True
+
+
+def test_each_local_rank_gets_a_distinct_port_it_can_bind() -> None:
+    """Three local ranks get three distinct TF ports, each free again when the rank runs."""
+    results = nbdist.run(ports_bind_on_their_rank, np=3).results
+    addresses = [address for address, _ in results]
+    assert len(set(addresses)) == 3, addresses
+    assert all(free for _, free in results), results
+
+
+def test_the_reservation_is_held_during_the_rendezvous() -> None:
+    """A supervisor's reserved port cannot be bound by anyone else until its rank starts."""
+    from nbdist.rank import RankSpec, Supervisor
+
+    sup = Supervisor(RankSpec(rank=1, world_size=2, job_id="j", secret="00", driver=("h", 1),
+                              payload=b""))
+    port = sup._hello()["tf_port"]
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("", port))
+    sup._release_tf_port()
+    with socket.socket() as s:
+        s.bind(("", port))
