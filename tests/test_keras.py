@@ -107,3 +107,47 @@ def test_the_reservation_is_held_during_the_rendezvous() -> None:
     sup._release_tf_port()
     with socket.socket() as s:
         s.bind(("", port))
+
+
+# -- hints: known failures and what to do --------------------------------------------------------
+KERAS3_FIT = (
+    'Traceback (most recent call last):\n  File "<cell In[1]>", line 10, in <module>\n'
+    '    model.fit(ds, epochs=1, verbose=0)\n'
+    '  File "/site-packages/keras/src/utils/traceback_utils.py", line 122, in error_handler\n'
+    "ValueError: Attempt to convert a value (PerReplica:{\n  0: <tf.Tensor: shape=(4, 4)>\n"
+    "}) with an unsupported type (<class 'tensorflow.python.distribute.values.PerReplica'>)\n"
+)
+
+
+def test_keras3_fit_under_mwms_gets_the_way_out() -> None:
+    """Keras 3's PerReplica failure names the upstream bug and both ways out, once."""
+    import pickle
+
+    from nbdist.errors import DistributedError
+
+    err = DistributedError("rank 1 failed", failures={1: KERAS3_FIT, 0: "ValueError: other\n"})
+    text = err.failures[1]
+    assert text.startswith(KERAS3_FIT.rstrip("\n"))
+    for words in ("keras-team/keras#20585", "TF_USE_LEGACY_KERAS=1", "tf-keras",
+                  "custom loop (strategy.run)", "docs/keras.md"):
+        assert words in text
+    assert err.failures[0] == "ValueError: other\n"  # nothing known: unchanged
+    again = pickle.loads(pickle.dumps(err))
+    assert again.failures == err.failures and text.count("nbdist hint:") == 1
+    assert "nbdist hint:" in "\n".join(err._render_traceback_())
+
+
+@pytest.mark.parametrize(("error", "says"), [
+    ("RuntimeError: Collective ops must be configured at program startup",
+     "create the strategy in the first cell that uses TensorFlow"),
+    ("tensorflow.python.framework.errors_impl.UnknownError: Could not start gRPC server",
+     "Run the cell again: every job reserves new ports"),
+    ("RuntimeError: jax.distributed.initialize() must be called before any JAX computations",
+     "call it in the session's first cell that uses JAX"),
+    ("RuntimeError: distributed.initialize should only be called once.", "in one cell only"),
+])
+def test_other_known_failures_say_what_to_do(error: str, says: str) -> None:
+    """TF's collective-ops and gRPC failures and JAX's initialize errors carry their fix."""
+    from nbdist.hints import with_hint
+
+    assert says in with_hint(f"Traceback (most recent call last):\n{error}\n")
