@@ -6,6 +6,7 @@ The rendezvous tests need no TensorFlow; the training tests skip without it (``n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 
@@ -151,3 +152,41 @@ def test_other_known_failures_say_what_to_do(error: str, says: str) -> None:
     from nbdist.hints import with_hint
 
     assert says in with_hint(f"Traceback (most recent call last):\n{error}\n")
+
+
+# -- a cell's own leading os.environ settings reach modules imported ahead ----------------------
+@pytest.mark.parametrize(("source", "env"), [
+    ('import os\nos.environ["KERAS_BACKEND"] = "jax"\nimport keras\n', {"KERAS_BACKEND": "jax"}),
+    ('import os as o, os\nfrom os import environ as e\no.environ["A"] = "1"\ne["B"] = "2"\n'
+     'os.environ["C"] = "3"\nprint(1)\nos.environ["D"] = "4"\n', {"A": "1", "B": "2", "C": "3"}),
+    ('import keras\nimport os\nos.environ["KERAS_BACKEND"] = "jax"\n', {}),  # too late: kept
+    ('import os\nos.environ["X"] = os.environ["HOME"]\n', {}),  # not a literal
+    ('import os\nprint(os.environ.get("X"))\nos.environ["X"] = "1"\n', {}),  # read first
+    ("import os\nos.environ[\n", {}),  # not Python: nothing
+])
+def test_leading_environ_literals_are_found(source: str, env: dict[str, str]) -> None:
+    """Only literal os.environ assignments before anything but `import os` are taken."""
+    from nbdist.launch import payload_env
+
+    assert payload_env({"kind": "cell", "source": source}) == env
+    assert payload_env({"kind": "call", "source": source}) == {}
+
+
+def run_cell(ip: object, cell: str) -> object:
+    result = ip.run_cell(cell)  # type: ignore[attr-defined]
+    assert result.error_before_exec is None and result.error_in_exec is None, (
+        result.error_before_exec or result.error_in_exec)
+    return result.result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs keras (nbdist[jax])")
+def test_keras_backend_set_in_the_cell_is_the_one_ranks_use(ip: object) -> None:
+    """KERAS_BACKEND set at the top of the cell wins over ranks warmed with keras imported."""
+    cell = ('%%distributed -np 2 -o backends --quiet\n'
+            'import os\nos.environ["KERAS_BACKEND"] = "{}"\nimport keras\n'
+            'keras.backend.backend()\n')
+    for backend in ("numpy", "numpy", "jax"):  # the second run is forked from a warm zygote
+        run_cell(ip, cell.format(backend))
+        assert ip.user_ns["backends"] == [backend, backend]  # type: ignore[attr-defined]
