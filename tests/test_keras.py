@@ -190,3 +190,171 @@ def test_keras_backend_set_in_the_cell_is_the_one_ranks_use(ip: object) -> None:
     for backend in ("numpy", "numpy", "jax"):  # the second run is forked from a warm zygote
         run_cell(ip, cell.format(backend))
         assert ip.user_ns["backends"] == [backend, backend]  # type: ignore[attr-defined]
+
+
+# -- real training: tf.keras under MultiWorkerMirroredStrategy, Keras 3 on JAX -------------------
+needs_tf = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("tf_keras") is None,
+    reason="needs tensorflow and tf-keras (nbdist[tf])")
+needs_jax = pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None or importlib.util.find_spec("keras") is None,
+    reason="needs jax and keras 3 (nbdist[jax])")
+
+#: The Horovod tf.keras example's shape, on MultiWorkerMirroredStrategy and scikit-learn's
+#: bundled digits: each worker reads its own shard, the optimizer's rate scales with the workers.
+#: Returns what the tests compare: workers seen, first and last loss, every weight, the parent.
+TF_KERAS_CELL = '''\
+import os
+os.environ["TF_USE_LEGACY_KERAS"] = "1"
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+x, y = load_digits(return_X_y=True)
+x = (x / 16.0).astype("float32")
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(64).with_options(options)
+with strategy.scope():
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.layers.Input((64,)),
+                                 tf.keras.layers.Dense(32, activation="relu"),
+                                 tf.keras.layers.Dense(10)])
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.05 * strategy.num_replicas_in_sync),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+history = model.fit(data, epochs=3, verbose=2)
+(strategy.num_replicas_in_sync, history.history["loss"], model.get_weights(), os.getppid(),
+ type(model).__module__)
+'''
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_tf_keras_mwms_trains_identically_on_two_ranks(ip: object) -> None:
+    """tf.keras under MWMS in a cell: two workers, falling loss, equal weights on both ranks."""
+    from nbdist.launch.local import pool
+
+    run_cell(ip, f"%%distributed -np 2 -o tf_ranks --quiet\n{TF_KERAS_CELL}")
+    ranks = ip.user_ns["tf_ranks"]  # type: ignore[attr-defined]
+    for workers, losses, _, _, module in ranks:
+        assert workers == 2
+        assert losses[-1] < losses[0]
+        assert module.startswith("tf_keras.")  # the legacy Keras, as TF_USE_LEGACY_KERAS asked
+    for w0, w1 in zip(ranks[0][2], ranks[1][2], strict=True):
+        assert (w0 == w1).all()
+    # The ranks were forked from a zygote that had imported TensorFlow (but ran no TF op):
+    # MWMS still configured its collective ops at "program startup".
+    assert "tensorflow" in pool.modules
+    assert {parent for *_, parent, _ in ranks} <= set(pool.pids())
+
+
+#: Keras 3 on JAX: keras.distribution.initialize() reads nbdist's KERAS_DISTRIBUTION_* and
+#: joins the processes; DataParallel replicates the model over every process's devices. Each
+#: rank feeds its own shard (auto_shard_dataset=False: the shards are already disjoint).
+JAX_CELL = '''\
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+import keras
+from sklearn.datasets import load_digits
+
+keras.distribution.initialize()
+import jax
+data_parallel = keras.distribution.DataParallel(
+    devices=keras.distribution.list_devices(), auto_shard_dataset=False)
+keras.distribution.set_distribution(data_parallel)
+x, y = load_digits(return_X_y=True)
+x = (x / 16.0).astype("float32")
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+shard = slice(rank * 800, (rank + 1) * 800)
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.layers.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                          keras.layers.Dense(10)])
+model.compile(optimizer=keras.optimizers.SGD(0.05 * world),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+history = model.fit(x[shard], y[shard], batch_size=32, epochs=3, verbose=2)
+(jax.process_count(), keras.backend.backend(), history.history["loss"],
+ [np.asarray(w) for w in model.get_weights()], float(x[shard].sum()))
+'''
+
+
+@needs_jax
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_keras3_jax_data_parallel_trains_identically_on_two_ranks(ip: object) -> None:
+    """Keras 3 on JAX, DataParallel over two processes: equal weights from different shards."""
+    run_cell(ip, f"%%distributed -np 2 -o jax_ranks --quiet\n{JAX_CELL}")
+    ranks = ip.user_ns["jax_ranks"]  # type: ignore[attr-defined]
+    for processes, backend, losses, _, _ in ranks:
+        assert (processes, backend) == (2, "jax")
+        assert losses[-1] < losses[0]
+    assert ranks[0][4] != ranks[1][4]  # the shards differed: equality comes from all-reduce
+    for w0, w1 in zip(ranks[0][3], ranks[1][3], strict=True):
+        assert (w0 == w1).all()
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_taken_worker_port_fails_the_job_fast_and_clearly(ip: object, tmp_path: object) -> None:
+    """Rank 1's TF port taken: rank 1 says why, and rank 0, stuck in the strategy's
+    constructor (TF has no timeout there), is torn down by nbdist."""
+    from nbdist.errors import DistributedError
+
+    # Rank 0 takes rank 1's port (as another program could, after nbdist's reservation) and
+    # only then lets rank 1 create its strategy.
+    cell = f'''%%distributed -np 2 --quiet
+import json, os, socket, time
+import tensorflow as tf
+workers = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]
+taken = os.path.join({str(tmp_path)!r}, "taken")
+if os.environ["RANK"] == "0":
+    squatter = socket.socket()
+    squatter.bind(("", int(workers[1].rsplit(":", 1)[1])))
+    squatter.listen()
+    open(taken, "w").close()
+else:
+    while not os.path.exists(taken):
+        time.sleep(0.05)
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+'''
+    result = ip.run_cell(cell)  # type: ignore[attr-defined]
+    error = result.error_in_exec
+    assert isinstance(error, DistributedError), error
+    assert error.reason == "failed"
+    assert list(error.failures) == [1], error.failures  # rank 0 was stopped, not failed
+    assert "Could not start gRPC server" in error.failures[1]
+    assert "nbdist hint: TensorFlow could not start this worker's server" in error.failures[1]
+    assert "nbdist stopped ranks 0" in str(error)
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras3_fit_under_mwms_says_to_use_tf_keras(ip: object) -> None:
+    """Keras 3's model.fit under MWMS (keras#20585) fails with the way out in the error."""
+    from nbdist.errors import DistributedError
+
+    cell = '''%%distributed -np 2 --quiet
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np
+import tensorflow as tf
+import keras
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+with strategy.scope():
+    model = keras.Sequential([keras.layers.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+ones = np.ones((64, 4), "float32")
+model.fit(tf.data.Dataset.from_tensor_slices((ones, ones[:, :1])).batch(8), verbose=0)
+'''
+    error = ip.run_cell(cell).error_in_exec  # type: ignore[attr-defined]
+    assert isinstance(error, DistributedError), error
+    assert error.failures
+    for text in error.failures.values():
+        assert "PerReplica" in text
+        assert "nbdist hint: Keras 3's model.fit does not work under" in text
+        assert "TF_USE_LEGACY_KERAS=1" in text
