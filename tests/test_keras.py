@@ -358,3 +358,58 @@ model.fit(tf.data.Dataset.from_tensor_slices((ones, ones[:, :1])).batch(8), verb
         assert "PerReplica" in text
         assert "nbdist hint: Keras 3's model.fit does not work under" in text
         assert "TF_USE_LEGACY_KERAS=1" in text
+
+
+# -- persistent sessions: the strategy first, then any number of training cells ----------------
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.usefixtures("no_session")
+def test_a_session_keeps_the_strategy_and_model_across_cells(ip: object) -> None:
+    """MWMS created in a session's first TF cell serves later cells; training goes on."""
+    run_cell(ip, "%dist_session start -np -2")
+    workers = run_cell(ip, "%%distributed --quiet\n"
+                           "import os\n"
+                           'os.environ["TF_USE_LEGACY_KERAS"] = "1"\n'
+                           "import tensorflow as tf\n"
+                           "strategy = tf.distribute.MultiWorkerMirroredStrategy()\n"
+                           "strategy.num_replicas_in_sync")
+    assert workers == 2
+    train = ("%%distributed -o session_fit --quiet\n"
+             "history = model.fit(data, epochs=2, verbose=0)\n"
+             "(history.history['loss'], [w.sum() for w in model.get_weights()])")
+    run_cell(ip, "%%distributed --quiet\n"
+                 "from sklearn.datasets import load_digits\n"
+                 "x, y = load_digits(return_X_y=True)\n"
+                 "data = tf.data.Dataset.from_tensor_slices((x / 16.0, y)).batch(64)\n"
+                 "with strategy.scope():\n"
+                 "    tf.keras.utils.set_random_seed(0)\n"
+                 "    model = tf.keras.Sequential([tf.keras.layers.Dense(10)])\n"
+                 "    model.compile(optimizer='sgd', loss=tf.keras.losses.\n"
+                 "                  SparseCategoricalCrossentropy(from_logits=True))")
+    run_cell(ip, train)
+    first = ip.user_ns["session_fit"]  # type: ignore[attr-defined]
+    run_cell(ip, train)
+    second = ip.user_ns["session_fit"]  # type: ignore[attr-defined]
+    assert first[0][1] == first[1][1] and second[0][1] == second[1][1]  # equal weights
+    assert second[0][0][-1] < first[0][0][0]  # the second cell went on from the first
+    run_cell(ip, "%dist_session stop")
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("no_session")
+def test_a_strategy_after_other_tf_work_in_a_session_says_so(ip: object) -> None:
+    """A session that ran a TF op before creating MWMS gets TF's error and the way out."""
+    from nbdist.errors import DistributedError
+
+    run_cell(ip, "%dist_session start -np -2")
+    run_cell(ip, "%%distributed\nimport tensorflow as tf\nfloat(tf.constant(1.0) + 1)")
+    error = ip.run_cell("%%distributed --quiet\n"  # type: ignore[attr-defined]
+                        "strategy = tf.distribute.MultiWorkerMirroredStrategy()").error_in_exec
+    assert isinstance(error, DistributedError), error
+    text = next(iter(error.failures.values()))
+    assert "Collective ops must be configured at program startup" in text
+    assert "create the strategy in the first cell that uses TensorFlow" in text
+    run_cell(ip, "%dist_session stop")
