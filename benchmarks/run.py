@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ["capture", "launch", "streaming", "training", "faults", "scale", "session"]
+BENCHES = ["capture", "launch", "streaming", "training", "faults", "scale", "session", "keras"]
 
 
 def main() -> int:
