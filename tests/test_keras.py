@@ -234,21 +234,26 @@ history = model.fit(data, epochs=3, verbose=2)
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_tf_keras_mwms_trains_identically_on_two_ranks(ip: object) -> None:
-    """tf.keras under MWMS in a cell: two workers, falling loss, equal weights on both ranks."""
+    """tf.keras under MWMS in a cell: two workers, falling loss, equal weights on both ranks;
+    and again on ranks forked from the zygote that imported what the first run used."""
     from nbdist.launch.local import pool
 
-    run_cell(ip, f"%%distributed -np 2 -o tf_ranks --quiet\n{TF_KERAS_CELL}")
-    ranks = ip.user_ns["tf_ranks"]  # type: ignore[attr-defined]
-    for workers, losses, _, _, module in ranks:
-        assert workers == 2
-        assert losses[-1] < losses[0]
-        assert module.startswith("tf_keras.")  # the legacy Keras, as TF_USE_LEGACY_KERAS asked
-    for w0, w1 in zip(ranks[0][2], ranks[1][2], strict=True):
-        assert (w0 == w1).all()
-    # The ranks were forked from a zygote that had imported TensorFlow (but ran no TF op):
-    # MWMS still configured its collective ops at "program startup".
-    assert "tensorflow" in pool.modules
-    assert {parent for *_, parent, _ in ranks} <= set(pool.pids())
+    for run in ("first", "second"):
+        run_cell(ip, f"%%distributed -np 2 -o tf_ranks --quiet\n{TF_KERAS_CELL}")
+        ranks = ip.user_ns["tf_ranks"]  # type: ignore[attr-defined]
+        for workers, losses, _, _, module in ranks:
+            assert workers == 2
+            assert losses[-1] < losses[0]
+            assert module.startswith("tf_keras.")  # the legacy Keras: TF_USE_LEGACY_KERAS
+        for w0, w1 in zip(ranks[0][2], ranks[1][2], strict=True):
+            assert (w0 == w1).all()
+        # Forked from a zygote that imported TensorFlow (and, for the second run, tf_keras
+        # and the rest of what the first run's ranks imported) but ran no TF operation: MWMS
+        # still configured its collective ops "at program startup".
+        assert {parent for *_, parent, _ in ranks} <= set(pool.pids()), run
+        assert "tensorflow" in pool.modules
+        pool.wait_ready(timeout=120)  # the first run's modules, imported for the second
+    assert "tf_keras" in pool.modules
 
 
 #: Keras 3 on JAX: keras.distribution.initialize() reads nbdist's KERAS_DISTRIBUTION_* and
@@ -359,6 +364,59 @@ model.fit(tf.data.Dataset.from_tensor_slices((ones, ones[:, :1])).batch(8), verb
         assert "nbdist hint: Keras 3's model.fit does not work under" in text
         assert "TF_USE_LEGACY_KERAS=1" in text
 
+
+#: Keras 3 under MWMS without model.fit: a custom loop with strategy.run works (docs/keras.md).
+KERAS3_LOOP_CELL = '''\
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import numpy as np
+import tensorflow as tf
+import keras
+from sklearn.datasets import load_digits
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+x, y = load_digits(return_X_y=True)
+global_batch = 64
+data = tf.data.Dataset.from_tensor_slices(((x / 16.0).astype("float32"), y)).batch(global_batch)
+dist_data = strategy.experimental_distribute_dataset(data)
+with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10)])
+    optimizer = keras.optimizers.SGD(0.05 * strategy.num_replicas_in_sync)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+@tf.function
+def train_step(batch):
+    def step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            per_example = loss_fn(labels, model(features, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    per_replica = strategy.run(step, args=(batch,))
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+losses = []
+for epoch in range(3):
+    losses.append(sum(float(train_step(batch)) for batch in dist_data))
+(strategy.num_replicas_in_sync, losses, [w.numpy() for w in model.weights])
+'''
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras3_custom_loop_under_mwms_trains_identically(ip: object) -> None:
+    """Keras 3 layers trained by strategy.run under MWMS: equal weights, falling loss."""
+    run_cell(ip, f"%%distributed -np 2 -o loop_ranks --quiet\n{KERAS3_LOOP_CELL}")
+    ranks = ip.user_ns["loop_ranks"]  # type: ignore[attr-defined]
+    for workers, losses, _ in ranks:
+        assert workers == 2 and losses[-1] < losses[0]
+    for w0, w1 in zip(ranks[0][2], ranks[1][2], strict=True):
+        assert (w0 == w1).all()
 
 # -- persistent sessions: the strategy first, then any number of training cells ----------------
 @needs_tf
