@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import statistics
 import sys
 import time
@@ -35,13 +34,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_launch import markdown, scenario, zygotes  # noqa: E402  (the shared table helpers)
+from bench_launch import save, scenario, zygotes  # noqa: E402  (the shared table helpers)
 
 import nbdist  # noqa: E402
 from nbdist import events, rank  # noqa: E402
 from nbdist.launch import local  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 TF_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
@@ -162,12 +160,7 @@ def main() -> int:
     ) if tf_contenders else {"scenario": "3. tf.keras MWMS (not run: pip install nbdist[tf])",
                              "baseline": "-", "rows": [], "samples": {}, "errors": {}})
     local.pool.clear()
-    text = markdown(results)
-    print(text)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "keras.md").write_text(text)
-    (out / "keras.json").write_text(json.dumps(results, indent=2, default=str))
+    save("keras", results)
     return 0
 
 

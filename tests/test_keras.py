@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import socket
+from typing import Any
 
 import pytest
 
@@ -179,6 +180,11 @@ def run_cell(ip: object, cell: str) -> object:
     return result.result
 
 
+def same_weights(ranks: list[Any], at: int) -> bool:
+    """Whether ranks 0 and 1 returned equal weight arrays at ``ranks[r][at]``."""
+    return all((w0 == w1).all() for w0, w1 in zip(ranks[0][at], ranks[1][at], strict=True))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="needs keras (nbdist[jax])")
@@ -230,6 +236,15 @@ history = model.fit(data, epochs=3, verbose=2)
 '''
 
 
+def check_tf_keras_ranks(ranks: list[Any]) -> None:
+    """What TF_KERAS_CELL's ranks returned: two workers, falling loss, equal weights."""
+    for workers, losses, _, _, module in ranks:
+        assert workers == 2
+        assert losses[-1] < losses[0]
+        assert module.startswith("tf_keras.")  # the legacy Keras, as TF_USE_LEGACY_KERAS asks
+    assert same_weights(ranks, 2)
+
+
 @needs_tf
 @pytest.mark.slow
 @pytest.mark.timeout(420)
@@ -241,12 +256,7 @@ def test_tf_keras_mwms_trains_identically_on_two_ranks(ip: object) -> None:
     for run in ("first", "second"):
         run_cell(ip, f"%%distributed -np 2 -o tf_ranks --quiet\n{TF_KERAS_CELL}")
         ranks = ip.user_ns["tf_ranks"]  # type: ignore[attr-defined]
-        for workers, losses, _, _, module in ranks:
-            assert workers == 2
-            assert losses[-1] < losses[0]
-            assert module.startswith("tf_keras.")  # the legacy Keras: TF_USE_LEGACY_KERAS
-        for w0, w1 in zip(ranks[0][2], ranks[1][2], strict=True):
-            assert (w0 == w1).all()
+        check_tf_keras_ranks(ranks)
         # Forked from a zygote that imported TensorFlow (and, for the second run, tf_keras
         # and the rest of what the first run's ranks imported) but ran no TF operation: MWMS
         # still configured its collective ops "at program startup".
@@ -292,13 +302,16 @@ history = model.fit(x[shard], y[shard], batch_size=32, epochs=3, verbose=2)
 def test_keras3_jax_data_parallel_trains_identically_on_two_ranks(ip: object) -> None:
     """Keras 3 on JAX, DataParallel over two processes: equal weights from different shards."""
     run_cell(ip, f"%%distributed -np 2 -o jax_ranks --quiet\n{JAX_CELL}")
-    ranks = ip.user_ns["jax_ranks"]  # type: ignore[attr-defined]
+    check_jax_ranks(ip.user_ns["jax_ranks"])  # type: ignore[attr-defined]
+
+
+def check_jax_ranks(ranks: list[Any]) -> None:
+    """What JAX_CELL's ranks returned: two JAX processes, falling loss, equal weights."""
     for processes, backend, losses, _, _ in ranks:
         assert (processes, backend) == (2, "jax")
         assert losses[-1] < losses[0]
     assert ranks[0][4] != ranks[1][4]  # the shards differed: equality comes from all-reduce
-    for w0, w1 in zip(ranks[0][3], ranks[1][3], strict=True):
-        assert (w0 == w1).all()
+    assert same_weights(ranks, 3)
 
 
 @needs_tf
@@ -415,8 +428,8 @@ def test_keras3_custom_loop_under_mwms_trains_identically(ip: object) -> None:
     ranks = ip.user_ns["loop_ranks"]  # type: ignore[attr-defined]
     for workers, losses, _ in ranks:
         assert workers == 2 and losses[-1] < losses[0]
-    for w0, w1 in zip(ranks[0][2], ranks[1][2], strict=True):
-        assert (w0 == w1).all()
+    assert same_weights(ranks, 2)
+
 
 # -- persistent sessions: the strategy first, then any number of training cells ----------------
 @needs_tf
@@ -463,7 +476,7 @@ def test_a_strategy_after_other_tf_work_in_a_session_says_so(ip: object) -> None
     from nbdist.errors import DistributedError
 
     run_cell(ip, "%dist_session start -np -2")
-    run_cell(ip, "%%distributed\nimport tensorflow as tf\nfloat(tf.constant(1.0) + 1)")
+    run_cell(ip, "%%distributed --quiet\nimport tensorflow as tf\nfloat(tf.constant(1.0) + 1)")
     error = ip.run_cell("%%distributed --quiet\n"  # type: ignore[attr-defined]
                         "strategy = tf.distribute.MultiWorkerMirroredStrategy()").error_in_exec
     assert isinstance(error, DistributedError), error
