@@ -294,7 +294,7 @@ class Supervisor:
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
-        self._tf_port: socket.socket | None = None  # the TF worker's port, held until spawn
+        self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -375,17 +375,17 @@ class Supervisor:
         # Every rank reserves a port for its TensorFlow worker (TF_CONFIG, planned by the
         # driver from all hellos). It stays bound until the rank starts, so no other rank on
         # this host is offered it meanwhile (nor rank 0's MASTER_PORT, chosen after it).
-        # Costs a few microseconds and one descriptor during the rendezvous (docs/keras.md).
-        self._tf_port = _reserve_port()
-        if self._tf_port is not None:
-            hello["tf_port"] = self._tf_port.getsockname()[1]
+        # Costs about 0.2 ms and one descriptor during the rendezvous (docs/keras.md).
+        self._tf_reservation = _reserve_port()
+        if self._tf_reservation is not None:
+            hello["tf_port"] = self._tf_reservation.getsockname()[1]
         if spec.rank == 0:
             hello["port"] = events.free_port()
         return hello
 
     def _release_tf_port(self) -> None:
         """Free the reserved TensorFlow port for the rank to bind (TF binds all interfaces)."""
-        held, self._tf_port = self._tf_port, None
+        held, self._tf_reservation = self._tf_reservation, None
         if held is not None:
             held.close()
 
