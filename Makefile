@@ -11,12 +11,13 @@ PY     := $(VENV)/bin/python
 setup: $(VENV)/.installed
 
 # torch is pinned for development only (.ci/constraints.txt): any other version or range makes
-# pip download a multi-GB CUDA build on this kind of machine.
+# pip download a multi-GB CUDA build on this kind of machine. The tf and jax extras (the Keras
+# tests and notebook) add about two minutes; they leave torch and numpy as they are.
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c .ci/constraints.txt torch
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark]'
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,tf,jax]'
 	touch $@
 
 quickstart: setup
@@ -38,5 +39,5 @@ test: setup system-deps lint
 
 # Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
 bench: setup system-deps
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,bench]'
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,tf,jax,bench]'
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run.py

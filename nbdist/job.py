@@ -23,7 +23,7 @@ import cloudpickle
 
 from nbdist import events, launch, state
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
-from nbdist.launch import Launcher, LaunchRequest, payload_modules
+from nbdist.launch import Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.rank import RankOutcome
 from nbdist.world import Hello, plan_world
 
@@ -297,7 +297,10 @@ class Job:
             register(self)
         request = LaunchRequest(
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
-            payload=body, gpu=self.gpu, env=self._env, run_id=self.run_id,
+            # What the cell sets in os.environ first thing (KERAS_BACKEND, ...) is given to the
+            # ranks from the start, so that modules imported ahead see it too.
+            payload=body, gpu=self.gpu, env={**self._env, **payload_env(payload)},
+            run_id=self.run_id,
             modules=payload_modules(payload), session=session,
             heartbeat_timeout=self._heartbeat,
         )
