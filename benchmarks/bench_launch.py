@@ -186,6 +186,16 @@ def second_run(fn: Callable[[], Any], pause: float = 0.0, zygote: bool = True) -
     return elapsed
 
 
+def save(name: str, results: list[dict[str, Any]]) -> None:
+    """Print the tables; write them to ``benchmarks/results/<name>.md`` and ``.json``."""
+    text = markdown(results)
+    print(text)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2, default=str))
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     out = []
     for res in results:
@@ -255,12 +265,7 @@ def main() -> int:
     ))
     if spark is not None:
         spark.stop()
-    text = markdown(results)
-    print(text)
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "launch.md").write_text(text)
-    (out / "launch.json").write_text(json.dumps(results, indent=2, default=str))
+    save("launch", results)
     return 0
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from nbdist.hints import with_hint
+
 #: How many lines of a remote traceback IPython shows per failed rank before eliding the middle.
 _MAX_TB_LINES = 60
 
@@ -86,7 +88,8 @@ class DistributedError(RuntimeError):
         ``"failed"``, ``"timeout"`` or ``"cancelled"``.
     failures : dict[int, str]
         Rank → remote traceback (or the exit status and last output lines) of every rank that
-        failed on its own; ranks that nbdist tore down afterwards are not in it.
+        failed on its own; ranks that nbdist tore down afterwards are not in it. A failure
+        nbdist knows the fix for ends with a line starting ``nbdist hint:`` (``hints.py``).
     """
 
     def __init__(
@@ -100,7 +103,7 @@ class DistributedError(RuntimeError):
         super().__init__(message)
         self.job_id = job_id
         self.reason = reason
-        self.failures: dict[int, str] = dict(failures or {})
+        self.failures = {rank: with_hint(text) for rank, text in (failures or {}).items()}
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild, (str(self), self.job_id, self.reason, self.failures))

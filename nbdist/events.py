@@ -13,7 +13,7 @@ A small authenticated JSON-lines protocol over TCP; nothing on it is ever unpick
 3. Then both sides send one JSON value per line: an event object, or (rank → driver, from
    protocol version 2) an array of event objects sent together. Rank → driver: output batches,
    progress, metrics, state changes, heartbeats. Driver → rank: the rendezvous answer
-   (``world``) and ``cancel``.
+   (``world``), ``cancel``, and ``ping`` (a remote job's keepalive; see ``nbdist.job``).
 4. From protocol version 3, an event (alone on its line) with ``"raw": N`` is followed by N
    raw bytes (at most ``MAX_BLOCK_BYTES``), handed to the job as the event's ``data``: how a
    session cell's value travels in pieces without base64 or JSON (``nbdist.values``).
@@ -35,6 +35,7 @@ This module runs on ranks too: standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import hmac
@@ -159,20 +160,42 @@ class _Conn:
         self.blocks = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class DriverAddress:
+    """Where the event server listens, and the address its ranks are told to connect to.
+
+    The two differ on real clusters, as Spark's own ``spark.driver.bindAddress`` and
+    ``spark.driver.host`` do: a driver may listen on every interface and be known to the
+    executors by a name that resolves to one of them, or sit behind a port forwarder (a
+    container) whose address is not the driver's at all. Authentication, not the bound
+    interface, is what keeps strangers off the channel.
+    """
+
+    #: Interface address to bind; "" means every interface.
+    bind: str = "127.0.0.1"
+    #: Host name or address the ranks connect to (not necessarily a local address).
+    advertise: str = "127.0.0.1"
+    #: Port to bind and advertise; 0: any free port.
+    port: int = 0
+    #: Which settings these values came from, in words, for error messages.
+    source: str = ""
+
+
 class EventServer:
     """The driver-side end: one thread multiplexing every rank connection of every job.
 
     Parameters
     ----------
-    host : str
-        Address to listen on: loopback for local ranks, the driver's address as Spark
-        executors see it for Spark ranks.
+    address : DriverAddress or str
+        Where to listen and what to tell the ranks (a string: one address for both).
+        ``address`` (the attribute) is then the advertised host and the bound port.
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
-        self._listener = socket.create_server((host, 0), backlog=512)
+    def __init__(self, address: DriverAddress | str | None = None) -> None:
+        address = _address(address)
+        self._listener = _listen(address.bind, address.port)
         self._listener.setblocking(False)
-        self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
+        self.address: tuple[str, int] = (address.advertise, self._listener.getsockname()[1])
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._rbuf = bytearray(READ_BYTES)
@@ -578,6 +601,10 @@ class EventClient:
         self._every = SEND_EVERY_S  # the server may ask for a longer interval (``pace``)
         self._cond = threading.Condition()
         self.alive = True
+        #: When the driver last said anything (``time.monotonic()``): a driver that keeps the
+        #: ranks alive pings them (``{"t": "ping"}``), so a long silence means it is gone even
+        #: where no connection reset ever arrives (a network cut off, a host powered down).
+        self.last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._read, name="nbdist-client", daemon=True)
         self._thread.start()
         self._sender = threading.Thread(target=self._send_loop, name="nbdist-client-send",
@@ -653,11 +680,12 @@ class EventClient:
     def _read(self) -> None:
         try:
             for line in self._reader:
+                self.last_heard = time.monotonic()
                 try:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if not isinstance(event, dict):
+                if not isinstance(event, dict) or event.get("t") == "ping":
                     continue
                 if event.get("t") == "pace":
                     every = event.get("every")
@@ -785,16 +813,40 @@ def _merge(pending: list[Event], event: Event) -> None:
     pending.append(event)
 
 
-_shared: dict[str, EventServer] = {}
+def _listen(bind: str, port: int) -> socket.socket:
+    """A listening socket on ``bind`` ("" = every interface, IPv6 too where the host has it)."""
+    if not bind and socket.has_dualstack_ipv6():
+        try:
+            return socket.create_server(("", port), family=socket.AF_INET6, backlog=512,
+                                        dualstack_ipv6=True)
+        except OSError:
+            pass  # IPv6 switched off in this network namespace: IPv4 below
+    return socket.create_server((bind, port), backlog=512)
+
+
+_shared: dict[DriverAddress, EventServer] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_server(host: str = "127.0.0.1") -> EventServer:
-    """The kernel's one event server for ``host``, started on first use."""
+def interface_text(bind: str) -> str:
+    """A bind address in words: ``every interface`` or the address."""
+    return "every interface" if bind in ("", "0.0.0.0", "::") else bind
+
+
+def _address(address: DriverAddress | str | None) -> DriverAddress:
+    if isinstance(address, str):
+        return DriverAddress(address, address)
+    return address or DriverAddress()
+
+
+def shared_server(address: DriverAddress | str | None = None) -> EventServer:
+    """The kernel's one event server for ``address``, started on first use."""
+    address = _address(address)
+    key = dataclasses.replace(address, source="")  # one server per place, however it was set
     with _shared_lock:
-        server = _shared.get(host)
+        server = _shared.get(key)
         if server is None or server._closed.is_set():
-            server = _shared[host] = EventServer(host)
+            server = _shared[key] = EventServer(address)
         return server
 
 

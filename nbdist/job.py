@@ -8,6 +8,7 @@ views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import pickle
 import secrets
@@ -20,9 +21,9 @@ from typing import Any, Protocol
 
 import cloudpickle
 
-from nbdist import events, state
+from nbdist import events, launch, state
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
-from nbdist.launch import Launcher, LaunchRequest, payload_modules
+from nbdist.launch import Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.rank import RankOutcome
 from nbdist.world import Hello, plan_world
 
@@ -37,6 +38,9 @@ HISTORY_BYTES = 256 * 2**20
 TEARDOWN_S = 15.0
 #: How long a finished job waits for its ranks' event channels to drain (their last lines).
 DRAIN_S = 10.0
+#: How often the driver pings the ranks of a remote job (they stop when they hear nothing
+#: for their heartbeat timeout) and looks for ranks it has not heard of itself.
+PING_S = state.HEARTBEAT_S
 
 _ids = itertools.count(1)
 
@@ -279,17 +283,26 @@ class Job:
         self._lost: str | None = None  # what output never reached the notebook, in words
         self._warned = False
         self._started = time.monotonic()
+        #: Ranks the driver stopped hearing from while their connection stayed open (a host
+        #: or network cut off), by host: they are what the job's error names.
+        self._unheard: dict[int, str] = {}
+        self._heartbeat = launch.heartbeat_timeout() if launcher.remote else None
 
         launcher.check(np, self.gpu)
         body = b"" if session else cloudpickle.dumps(payload)
-        self._server = events.shared_server(launcher.driver_host())
+        self.address = launcher.driver_address()
+        self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
         if not session:  # a session's cells are the jobs users see
             register(self)
         request = LaunchRequest(
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
-            payload=body, gpu=self.gpu, env=self._env, run_id=self.run_id,
+            # What the cell sets in os.environ first thing (KERAS_BACKEND, ...) is given to the
+            # ranks from the start, so that modules imported ahead see it too.
+            payload=body, gpu=self.gpu, env={**self._env, **payload_env(payload)},
+            run_id=self.run_id,
             modules=payload_modules(payload), session=session,
+            heartbeat_timeout=self._heartbeat,
         )
         try:
             launcher.start(request, self._on_outcome)
@@ -303,6 +316,9 @@ class Job:
             self._timer: threading.Timer | None = timer
         else:
             self._timer = None
+        if self._heartbeat is not None:
+            threading.Thread(target=self._keepalive, args=(self._heartbeat,), daemon=True,
+                             name=f"nbdist-keepalive-{self.id}").start()
 
     # -- the event channel (called on the server's thread) -------------------------------------
     def on_connect(self, rank: int, hello: events.Event) -> None:
@@ -351,8 +367,65 @@ class Job:
             self._open[rank] = self._open.get(rank, 1) - 1
             self._drained.notify_all()
 
+    # -- keepalive (remote ranks) -------------------------------------------------------------
+    def _keepalive(self, timeout: float) -> None:
+        """Ping the ranks, and fail the job when connected ranks fall silent for ``timeout``.
+
+        A host that is cut off (a network down, a machine powered off) never closes its
+        connections: without this the job would wait for Spark to give up on the executor
+        (``spark.network.timeout``), and a session would never know.
+        """
+        next_ping = 0.0
+        while not self._done.wait(1.0):
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + PING_S
+                for rank in range(self.np):
+                    self._server.send(self.id, rank, {"t": "ping"})
+            lost = self._silent_connected(timeout)
+            if lost:
+                self._lose(lost, timeout)
+                return
+
+    def _silent_connected(self, timeout: float) -> dict[int, str]:
+        """Ranks whose connection is open but who said nothing for ``timeout``, by host.
+
+        A rank whose connection closed is not one of them: it runs on without the channel
+        and its outcome still comes back through the backend.
+        """
+        now = time.time()
+        with self._lock:
+            open_ranks = [r for r, n in self._open.items() if n > 0 and r not in self._outcomes]
+        with self.state.lock:
+            return {
+                r: self.state.ranks[r].host or "?" for r in open_ranks
+                if (seen := self.state.ranks[r].last_seen) is not None and now - seen > timeout
+            }
+
+    def _lose(self, lost: dict[int, str], timeout: float) -> None:
+        with self._lock:
+            if self._cancel_reason is not None:
+                return  # ending anyway: the ranks were told to stop before they went silent
+            self._unheard.update(lost)
+        for rank in lost:
+            self.state.set_rank(rank, state.FAILED)
+        self._fail_all(f"{_on_hosts(lost)} not heard from for {timeout:g} s")
+
     # -- outcomes ---------------------------------------------------------------------------
     def _on_outcome(self, outcome: RankOutcome) -> None:
+        host = outcome.lost_host
+        hello = self._hellos.get(outcome.rank)
+        if host is not None and hello is not None and outcome.status in ("failed", "cancelled"):
+            # The backend lost a host: the ranks that were on it went with it, the others
+            # were stopped with the stage, whichever rank Spark happened to blame.
+            if not hello.on(host):
+                outcome = dataclasses.replace(outcome, status="cancelled", error=None,
+                                              lost_host=None)
+            elif outcome.status == "cancelled":
+                outcome = dataclasses.replace(outcome, status="failed", error={
+                    "type": "ExecutorLost", "traceback": "",
+                    "message": f"its Spark executor on {host} was lost",
+                })
         if outcome.lost_lines and outcome.tail:
             # The rank's live output never arrived; its last lines came with its outcome.
             self.state.apply(outcome.rank, {"t": "out", "s": "o",
@@ -368,10 +441,23 @@ class Job:
             self._cancel(f"rank {outcome.rank} failed")
         if complete:
             with self._lock:
-                self._drained.wait_for(
-                    lambda: not any(n > 0 for n in self._open.values()), DRAIN_S
-                )
+                self._drained.wait_for(self._all_drained, DRAIN_S)
             self._finish()
+
+    def _all_drained(self) -> bool:
+        """Every connection that can still deliver has closed (called with the lock held).
+
+        The connections of ranks that fell silent are not waited for: a host cut off from
+        the driver never closes them, and what they held back cannot arrive anyway.
+        """
+        now = time.time()
+        for rank, n in self._open.items():
+            if n <= 0 or rank in self._unheard:
+                continue
+            seen = self.state.ranks[rank].last_seen
+            if seen is None or now - seen < state.SILENT_AFTER_S:
+                return False
+        return True
 
     def _fail_all(self, reason: str) -> None:
         self._cancel(reason)
@@ -400,7 +486,9 @@ class Job:
         outcomes = [self._outcomes[r] for r in range(self.np)]
         failed = [o for o in outcomes if o.status == "failed"]
         error: BaseException | None = None
-        if getattr(self, "_timed_out", False):
+        if self._unheard:
+            error = self._unheard_error()
+        elif getattr(self, "_timed_out", False):
             error = self._timeout_error()
         elif failed:
             error = self._failure_error(failed)
@@ -418,7 +506,7 @@ class Job:
                 self._size = sum(len(o.result or b"") for o in outcomes)
         for o in outcomes:
             o.result = None  # the values are kept, not their pickles too
-        self._lost = _lost_output(outcomes)
+        self._lost = _lost_output(outcomes, self.address)
         if self._lost is not None and isinstance(error, DistributedError):
             error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
                                      reason=error.reason, failures=error.failures)
@@ -452,9 +540,21 @@ class Job:
             if first.error else first.describe().splitlines()[0]
         )
         others = [o.rank for o in ordered[1:]]
-        msg = f"rank {first.rank} of {self.np} failed: {what}"
-        if others:
-            msg += f" (ranks {', '.join(map(str, others))} failed after it)"
+        lost = next((o for o in ordered if o.lost_host is not None), None)
+        if lost is not None and lost.lost_host is not None:
+            # Not "rank 2 failed ... nbdist stopped 1, 3": the host went, with all its ranks.
+            gone = sorted(o.rank for o in ordered if o.lost_host == lost.lost_host)
+            why = str((lost.error or {}).get("message", ""))
+            why = why.removeprefix(f"its Spark executor on {lost.lost_host} was lost: ")
+            msg = (f"the Spark executor on {lost.lost_host} was lost, and with it "
+                   f"{_ranks(gone)} of {self.np}: {why}")
+            others = [o.rank for o in ordered if o.rank not in gone]
+            if others:
+                msg += f" (ranks {', '.join(map(str, others))} failed too)"
+        else:
+            msg = f"rank {first.rank} of {self.np} failed: {what}"
+            if others:
+                msg += f" (ranks {', '.join(map(str, others))} failed after it)"
         stopped = [o.rank for o in self._outcomes.values() if o.status == "cancelled"]
         if stopped:
             msg += f"; nbdist stopped ranks {', '.join(map(str, sorted(stopped)))}"
@@ -462,6 +562,28 @@ class Job:
             msg, job_id=self.id, reason="failed",
             failures={o.rank: o.describe() for o in ordered},
         )
+
+    def _unheard_error(self) -> DistributedError:
+        timeout = self._heartbeat or 0.0
+        failures = {}
+        for rank, host in sorted(self._unheard.items()):
+            r = self.state.ranks[rank]
+            since = time.strftime("%H:%M:%S", time.localtime(r.last_seen or 0))
+            tail = "".join(f"    {line.text}\n" for line in list(r.log)[-10:])
+            failures[rank] = (f"rank {rank} on {host} was last heard from at {since}"
+                              + (f"; its last output:\n{tail}" if tail else "\n"))
+        stopped = sorted(o.rank for o in self._outcomes.values()
+                         if o.rank not in self._unheard)
+        msg = (
+            f"job {self.id} lost {_on_hosts(self._unheard)}: not heard from for {timeout:g} s "
+            f"while connected. That host, or the network between it and the driver, is gone "
+            f"(the heartbeat timeout is %config DistMagics.heartbeat_timeout or "
+            f"NBDIST_HEARTBEAT_TIMEOUT); its ranks stop on their own when they stop hearing "
+            f"from the driver"
+        )
+        if stopped:
+            msg += f"; nbdist stopped ranks {', '.join(map(str, stopped))}"
+        return DistributedError(msg, job_id=self.id, reason="failed", failures=failures)
 
     def _timeout_error(self) -> DistributedError:
         running = getattr(self, "_running_at_cancel", [])
@@ -540,7 +662,7 @@ class Job:
         return f"<nbdist job {self.id}: {where}, {self.state.state}>"
 
 
-def _lost_output(outcomes: list[RankOutcome]) -> str | None:
+def _lost_output(outcomes: list[RankOutcome], address: events.DriverAddress) -> str | None:
     """One warning for the ranks whose output did not reach the driver (None: nothing lost)."""
     lossy = [o for o in outcomes if o.channel_error or o.lost_lines or o.dropped_events]
     if not lossy:
@@ -553,9 +675,46 @@ def _lost_output(outcomes: list[RankOutcome]) -> str | None:
         f"output lost from rank{'s' if len(lossy) > 1 else ''} {ranks}: {_count(lines, 'line')} "
         f"of output and {_count(updates, 'progress/metrics update')} never reached the "
         f"notebook (each rank's last lines are shown); results and errors came back through "
-        f"the backend. {why}. Check that the ranks can connect to that address (a firewall; "
-        f"on Spark, spark.driver.host)."
+        f"the backend. {why}. {unreachable_hint(address)}"
     )
+
+
+def unreachable_hint(address: events.DriverAddress) -> str:
+    """What to check when ranks cannot reach the event server, naming the settings used."""
+    where = f" nbdist's event server is {address.source}." if address.source else ""
+    return (
+        f"Check that the ranks can connect to that address (a firewall, a route).{where} "
+        f"Where the executors reach the driver at another address or port (NAT, a driver in "
+        f"a container), set it with %config DistMagics.driver_host / NBDIST_DRIVER_HOST and "
+        f"forward a fixed port set with DistMagics.driver_port / NBDIST_DRIVER_PORT."
+    )
+
+
+def _server(address: events.DriverAddress) -> events.EventServer:
+    """The kernel's event server for ``address``; a clear error when it cannot listen there."""
+    try:
+        return events.shared_server(address)
+    except OSError as exc:
+        where = f"{events.interface_text(address.bind)} port {address.port or '(any)'}"
+        raise LaunchError(
+            f"nbdist cannot listen for its ranks on {where}: {exc.strerror or exc}. Its event "
+            f"server would be {address.source or 'there'}. Pick a free port "
+            f"(%config DistMagics.driver_port / NBDIST_DRIVER_PORT) and an address of this "
+            f"machine to listen on (spark.driver.bindAddress); the address told to the ranks "
+            f"(DistMagics.driver_host) need not be this machine's."
+        ) from None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _on_hosts(by_rank: dict[int, str]) -> str:
+    """``ranks 2, 3 on 10.0.0.4 and rank 5 on 10.0.0.5``: ranks grouped by host."""
+    hosts: dict[str, list[int]] = {}
+    for rank, host in sorted(by_rank.items()):
+        hosts.setdefault(host, []).append(rank)
+    return " and ".join(f"{_ranks(ranks)} on {host}" for host, ranks in hosts.items())
 
 
 def _count(n: int, noun: str) -> str:

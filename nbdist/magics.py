@@ -17,9 +17,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Enum, Float
+from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import events
+from nbdist import events, launch
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -139,6 +139,48 @@ class DistMagics(Magics):
         "many megabytes (every rank receives a copy). Set with "
         "%config DistMagics.large_value_mb = 500.",
     )
+    driver_host = Unicode(
+        "", config=True,
+        help="The address Spark ranks connect to for the event channel (output, progress, "
+        "the rendezvous), when it is not spark.driver.host: a port forwarder's address for a "
+        "driver in a container. Wins over NBDIST_DRIVER_HOST. Default: spark.driver.host.",
+    )
+    driver_port = Int(
+        None, allow_none=True, config=True,
+        help="A fixed port for the event channel (bound on the driver, told to the ranks), "
+        "e.g. one forwarded into a container; 0: any free port. Wins over NBDIST_DRIVER_PORT. "
+        "Default: any free port.",
+    )
+    heartbeat_timeout = Float(
+        None, allow_none=True, config=True,
+        help="Seconds after which a Spark rank that hears nothing from the driver stops, and "
+        "the driver fails a job (or session) whose connected ranks went silent: a host or "
+        "network cut off. At least 10; 0 turns it off. Wins over NBDIST_HEARTBEAT_TIMEOUT. "
+        f"Default: {launch.HEARTBEAT_TIMEOUT_S:g}.",
+    )
+
+    @validate("heartbeat_timeout")
+    def _valid_timeout(self, proposal: Any) -> float | None:
+        value = proposal["value"]
+        if value is not None:
+            try:
+                launch.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
+            except ValueError as exc:
+                raise TraitError(str(exc)) from None
+        return value  # type: ignore[no-any-return]
+
+    @validate("driver_port")
+    def _valid_port(self, proposal: Any) -> int | None:
+        value = proposal["value"]
+        if value is not None and not 0 <= value <= 65535:
+            raise TraitError(f"DistMagics.driver_port must be a port number (1-65535, or 0 for "
+                             f"any free port), not {value}")
+        return value  # type: ignore[no-any-return]
+
+    @observe("driver_host", "driver_port", "heartbeat_timeout")
+    def _network_setting(self, change: Any) -> None:
+        # The engine reads them at each launch, also for nbdist.run() called in the notebook.
+        setattr(launch.settings, change["name"], change["new"])
 
     @magic_arguments()
     @_launch_arguments

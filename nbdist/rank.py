@@ -26,6 +26,7 @@ import queue
 import secrets
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +55,9 @@ PIPE_BYTES = 1 << 20
 HEARTBEAT_S = state.HEARTBEAT_S
 #: How often a session's supervisor checks that the driver is still there.
 DRIVER_CHECK_S = 0.5
+#: How long the output pumps may read on after the rank and everything it started are gone:
+#: only a process out of reach (no longer a descendant) can still hold the pipes then.
+PUMP_GRACE_S = 2.0
 #: Time between SIGTERM and SIGKILL when a rank is torn down.
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
@@ -130,7 +134,8 @@ class RankProcess:
         #: Frames from the interpreter, None at the end; one reader for its whole life, so a
         #: warm interpreter can be watched by its pool and then handed to a supervisor.
         self.frames: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
-        #: Set once the modules of a warm-up are imported.
+        #: Set once the modules of a warm-up are imported, or once the interpreter is gone (it
+        #: will never be warmer: a pool that let it go must not be waited for).
         self.warm = threading.Event()
         self._room = threading.Semaphore(PIECES_QUEUED)
         threading.Thread(
@@ -150,6 +155,7 @@ class RankProcess:
                         pass
                 self.frames.put(frame)
         self.frames.put(None)
+        self.warm.set()
 
     def piece_done(self) -> None:
         """A ``PIECE`` frame taken from ``frames`` was dealt with: room for the next one."""
@@ -211,6 +217,12 @@ class RankSpec:
     #: A persistent session's rank (``%dist_session``): no payload at start; cells arrive from
     #: the driver over the event channel, one after another, until it says ``quit``.
     session: bool = False
+    #: The rank's host as its backend's scheduler names it (a Spark executor's address), so
+    #: that the driver can tell which ranks a lost executor took along.
+    executor: str = ""
+    #: Stop the rank when the driver has said nothing (not even its pings) for this long:
+    #: the driver is gone, or the network to it is (None: only a closed connection counts).
+    heartbeat_timeout: float | None = None
 
 
 @dataclass
@@ -228,6 +240,9 @@ class RankOutcome:
     result_type: str | None = None  # "module.Class" of the result, known even if unpicklable
     lost_lines: int = 0  # lines of output that never reached the driver
     channel_error: str | None = None  # why the event server could not be reached, if so
+    #: Set by a backend whose host for this rank went away under it (a Spark executor lost):
+    #: that host, so the driver can name every rank that was on it.
+    lost_host: str | None = None
 
     def describe(self) -> str:
         """The failure as text: the remote traceback, or the exit status and last output."""
@@ -299,6 +314,8 @@ class Supervisor:
         self._signer: Any = None  # the running HMAC of the session value being forwarded
         self._refused: str | None = None  # why a session value cannot go to this driver
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
+        self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
+        self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -350,7 +367,8 @@ class Supervisor:
                 f"rank {spec.rank} on {spec.host} cannot reach the driver's event server at "
                 f"{spec.driver[0]}:{spec.driver[1]}: {type(exc).__name__}: {exc}"
             )
-            if self._gather is None:
+            # A session's cells come over the channel: without it there is nothing to run.
+            if self._gather is None or spec.session:
                 return RankOutcome(spec.rank, "failed", channel_error=self._channel_error, error={
                     "type": "ConnectionError", "traceback": "", "message": self._channel_error,
                 })
@@ -358,11 +376,16 @@ class Supervisor:
                 target=self._world_without_channel, args=(self._gather, hello), daemon=True,
                 name=f"nbdist-gather-{spec.rank}",
             ).start()
+        ended = threading.Event()
+        threading.Thread(target=self._beat, args=(ended,), daemon=True,
+                         name=f"nbdist-beat-{spec.rank}").start()
         try:
             return self._run_rank()
         finally:
+            ended.set()
             if self._killer is not None:
                 self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
+            self._release_tf_port()
             self._kill_group(signal.SIGKILL)
             if self._rp is not None:
                 self._rp.close()
@@ -375,9 +398,24 @@ class Supervisor:
             "host": spec.host, "pid": os.getpid(), "cpus": os.cpu_count() or 1,
             "gpus": list(spec.gpus),
         }
+        # Every rank reserves a port for its TensorFlow worker (TF_CONFIG, planned by the
+        # driver from all hellos). It stays bound until the rank starts, so no other rank on
+        # this host is offered it meanwhile (nor rank 0's MASTER_PORT, chosen after it).
+        # Costs about 0.2 ms and one descriptor during the rendezvous (docs/keras.md).
+        self._tf_reservation = _reserve_port()
+        if self._tf_reservation is not None:
+            hello["tf_port"] = self._tf_reservation.getsockname()[1]
         if spec.rank == 0:
             hello["port"] = events.free_port()
+        if spec.executor:
+            hello["executor"] = spec.executor
         return hello
+
+    def _release_tf_port(self) -> None:
+        """Free the reserved TensorFlow port for the rank to bind (TF binds all interfaces)."""
+        held, self._tf_reservation = self._tf_reservation, None
+        if held is not None:
+            held.close()
 
     def _connect(self, hello: dict[str, Any]) -> None:
         spec = self.spec
@@ -415,6 +453,7 @@ class Supervisor:
                 return False  # the fallback rendezvous failed
             if client is not None and not client.alive:
                 return False
+            # (A driver that went silent is caught by _beat, which cancels.)
         return not self._cancelled.is_set()
 
     def _run_rank(self) -> RankOutcome:
@@ -436,21 +475,13 @@ class Supervisor:
         if proc is None:
             return RankOutcome(spec.rank, "cancelled")
         self._send(t="state", state="starting", pid=proc.pid, host=spec.host)
-        pumps = [
-            threading.Thread(target=self._pump, args=(proc.stdout, "o"), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, "e"), daemon=True),
-        ]
-        for t in pumps:
-            t.start()
-        ended = threading.Event()
-        threading.Thread(target=self._beat, args=(ended,), daemon=True).start()
-        code = proc.wait()
-        ended.set()
-        # Whatever the rank left in its group (servers, data loader workers) goes with it; this
-        # also closes the pipes those processes inherited, so the pumps reach end of file.
-        self._kill_group(signal.SIGKILL)
-        for t in pumps:
-            t.join(timeout=5)
+        # Readable once the pumps are to stop (the rank is gone, PUMP_GRACE_S passed).
+        self._stop_r, stop_w = os.pipe()
+        try:
+            code = self._watch(proc, stop_w)
+        finally:
+            os.close(self._stop_r)
+            os.close(stop_w)
         self._ctl_thread.join(timeout=5)
         outcome = RankOutcome(
             spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
@@ -475,9 +506,11 @@ class Supervisor:
 
     def _spawn(self) -> Proc | None:
         spec = self.spec
+        self._release_tf_port()
         world = dict(self._world_env)
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
             world.pop("OMP_NUM_THREADS", None)  # the user's setting wins
+        world.update(socket_ifnames(world, spec.env))
         with self._lock:
             if self._cancelled.is_set():
                 return None
@@ -500,18 +533,60 @@ class Supervisor:
         self._ctl_thread.start()
         return rp.proc
 
+    def _watch(self, proc: Proc, stop_w: int) -> int:
+        """Pump the rank's output until it ended and its pipes are done with; its exit code."""
+        pumps = [
+            threading.Thread(target=self._pump, args=(proc.stdout, "o"), daemon=True),
+            threading.Thread(target=self._pump, args=(proc.stderr, "e"), daemon=True),
+        ]
+        for t in pumps:
+            t.start()
+        code = proc.wait()
+        # Whatever the rank left in its group (servers, data loader workers) goes with it; this
+        # also closes the pipes those processes inherited, so the pumps reach end of file.
+        # (What it started in sessions of their own, its guardian has killed already.)
+        self._kill_group(signal.SIGKILL)
+        deadline = time.monotonic() + PUMP_GRACE_S
+        for t in pumps:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A process out of reach still holding a pipe (no descendant any more): stop reading
+        # rather than wait on it, and leave no thread or descriptor behind.
+        os.write(stop_w, b"x")
+        for t in pumps:
+            t.join()
+        return code
+
     def _beat(self, ended: threading.Event) -> None:
-        """Heartbeats; a session's rank also goes when its driver does (the kernel stopped)."""
+        """Heartbeats to the driver from the hello on, and the keepalive the other way.
+
+        A session's rank goes when its connection to the driver closes (the kernel stopped).
+        With ``heartbeat_timeout`` any rank goes when the driver said nothing for that long
+        while the connection looked open: the driver's host or the network to it is gone,
+        and no reset will ever come to say so. A job's rank too: its result could not reach
+        the driver anyway, and its GPUs would stay taken until Spark gives up on the driver
+        (its ``spark.network.timeout``, minutes). A job's rank whose connection was *closed*
+        runs on: its result still returns through the backend.
+        """
+        spec = self.spec
+        timeout = spec.heartbeat_timeout
         last = time.monotonic()
-        while not ended.wait(DRIVER_CHECK_S if self.spec.session else HEARTBEAT_S):
+        while not ended.wait(DRIVER_CHECK_S if spec.session or timeout else HEARTBEAT_S):
             client = self._client
-            if self.spec.session and (client is None or not client.alive):
+            if spec.session and (client is None or not client.alive):
                 self.cancel()
                 return
+            if timeout and client is not None and client.alive:
+                quiet = time.monotonic() - client.last_heard
+                if quiet > timeout:
+                    # Only the executor's log can tell: the driver is out of reach.
+                    print(f"nbdist: stopping rank {spec.rank}: nothing from the driver at "
+                          f"{spec.driver[0]}:{spec.driver[1]} for {quiet:.0f} s "
+                          f"(heartbeat timeout {timeout:g} s)", file=sys.stderr, flush=True)
+                    self.cancel()
+                    return
             if time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
-                rp = self._rp
-                self._send(t="hb", rss=_rss(rp.pid) if rp is not None else None)
+                self._send(t="hb", rss=self._rank_rss())
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:
@@ -523,6 +598,8 @@ class Supervisor:
                     continue
                 if event.get("t") == "warm":
                     continue
+                if event.get("t") == "state" and event.get("state") == "ready":
+                    self._rank_pid = int(event.get("pid") or rp.pid)
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
                     if self.spec.session:
@@ -575,8 +652,7 @@ class Supervisor:
         cell, self._cell = self._cell, None
         signer, self._signer = self._signer, None
         refused, self._refused = self._refused, None
-        rp = self._rp
-        rss = _rss(rp.pid) if rp is not None else None  # what the cell left, for %dist_session
+        rss = self._rank_rss()  # what the cell left, for %dist_session
         if kind == runtime.ERROR:
             self._cell_output_sent()
             self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
@@ -587,6 +663,13 @@ class Supervisor:
         else:
             self._send(t="cell_result", cell=cell, type=self._result_type,
                        mac=signer.hexdigest(), rss=rss)
+
+    def _rank_rss(self) -> int | None:
+        """Memory of the rank and its children (not of its guardian, which shares most pages
+        with the rank and would count them twice)."""
+        rp = self._rp
+        pid = self._rank_pid or (rp.pid if rp is not None else None)
+        return _rss(pid) if pid is not None else None
 
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -603,15 +686,21 @@ class Supervisor:
         last_sent = 0.0
         partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
         cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
+        stopping = False  # the supervisor said stop: one more read of what is there
         # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
         # pipe descriptors above select's FD_SETSIZE, which it refuses.
         with pipe, selectors.PollSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
+            sel.register(self._stop_r, selectors.EVENT_READ)
             while True:
                 wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
                 ready = wait is not None and wait <= 0
                 if not ready:
-                    ready = bool(sel.select(wait))
+                    readable = {key.fd for key, _ in sel.select(wait)}
+                    if self._stop_r in readable and (fd not in readable or stopping):
+                        break  # told to stop, and what was there to read is read
+                    stopping = self._stop_r in readable
+                    ready = fd in readable
                     if ready:
                         # Batching: within BATCH_S of the last send, let the pipe fill up
                         # instead of waking for every line a busy rank writes.
@@ -718,6 +807,58 @@ class Supervisor:
                     child.kill()
                 except Exception:  # psutil.Error: already gone
                     pass
+
+
+#: The variables torch's gloo and NCCL read to choose the interface they listen on.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def socket_ifnames(world: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` for a rank: the interface of this host
+    that routes to ``MASTER_ADDR``; those the user set (host environment, ``--env``) are kept.
+
+    Without them gloo listens on the address this host's name resolves to, which on Debian
+    and Ubuntu hosts is ``127.0.1.1`` (``/etc/hosts``): peers on other hosts are then told to
+    connect to a loopback address and ``init_process_group`` times out.
+    """
+    wanted = [k for k in SOCKET_IFNAME_VARS if k not in os.environ and k not in env
+              and k not in world]
+    master = world.get("MASTER_ADDR")
+    if not wanted or not master:
+        return {}
+    name = interface_to(master)
+    return dict.fromkeys(wanted, name) if name else {}
+
+
+def interface_to(address: str) -> str | None:
+    """The name of this host's interface that packets to ``address`` leave from, if known.
+
+    A UDP socket's ``connect`` sends nothing: the kernel only picks the route and with it
+    the source address, whose interface psutil names.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(sockaddr)
+            source = str(probe.getsockname()[0])
+        import psutil
+    except (OSError, ImportError, IndexError):
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == family and a.address.split("%")[0] == source for a in addrs):
+            return str(name)
+    return None
+def _reserve_port() -> socket.socket | None:
+    """A socket bound to a free port on all interfaces (``events.free_port``), or None."""
+    for _ in range(10):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("", events.free_port()))
+        except OSError:  # taken between free_port's check and this bind
+            sock.close()
+            continue
+        return sock
+    return None  # no TF_CONFIG for this job, which only TensorFlow's own jobs would miss
 
 
 def _rss(pid: int) -> int | None:

@@ -520,6 +520,10 @@ def _flush_all() -> None:
             stream.flush()
         except Exception:
             pass
+    _flush_c_stdio()
+
+
+def _flush_c_stdio() -> None:
     try:
         ctypes.CDLL(None).fflush(None)  # C stdio buffers of extensions
     except Exception:
@@ -560,34 +564,136 @@ def _warm(modules: list[str]) -> None:
 
 def _set_env(spec: dict[str, Any]) -> None:
     env: dict[str, str] = spec.get("env", {})
+    threads_before = os.environ.get("OMP_NUM_THREADS")
     os.environ.update(env)
     if spec.get("cwd"):
         os.chdir(spec["cwd"])
+    threads = env.get("OMP_NUM_THREADS")
+    if threads is not None and threads != threads_before:
+        _size_thread_pools(threads)
+
+
+#: Variables that size one BLAS library's threads ahead of OMP_NUM_THREADS, which each of them
+#: falls back on (as under torchrun, which sets only OMP_NUM_THREADS).
+_OWN_THREADS_VARS = {
+    "openblas": ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS"),
+    "mkl": ("MKL_NUM_THREADS",),
+    "blis": ("BLIS_NUM_THREADS",),
+    "flexiblas": ("FLEXIBLAS_NUM_THREADS",),
+}
+
+
+def _size_thread_pools(threads: str) -> None:
+    """Give the thread pools loaded before this rank had its OMP_NUM_THREADS that number.
+
+    A fresh interpreter starts with the variable set, and torch, OpenMP and the BLAS libraries
+    (numpy's OpenBLAS, MKL) size their pools from it as they load. A rank forked from a zygote
+    or a warm interpreter loaded them earlier, sized for the whole machine: torch is told
+    ``set_num_threads``, the others through threadpoolctl, except a BLAS whose own variable
+    (``OPENBLAS_NUM_THREADS``, ...) the rank has, which it read at load as a fresh rank would.
+    """
+    try:
+        n = int(threads)
+    except ValueError:
+        return
     torch = sys.modules.get("torch")
-    if torch is not None and "OMP_NUM_THREADS" in env:
-        # torch read OMP_NUM_THREADS when it was imported, before this rank had it.
+    if torch is not None:
         try:
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        except (ValueError, AttributeError):
+            torch.set_num_threads(n)
+        except (AttributeError, RuntimeError):
             pass
+    if not any(m in sys.modules for m in ("numpy", "scipy", "torch")):
+        return  # nothing that loads a BLAS or an OpenMP runtime: a fresh interpreter's state
+    try:
+        from threadpoolctl import ThreadpoolController
+
+        for lib in ThreadpoolController().lib_controllers:
+            own = _OWN_THREADS_VARS.get(lib.internal_api, ())
+            if lib.user_api in ("blas", "openmp") and not any(v in os.environ for v in own):
+                lib.set_num_threads(n)
+    except Exception:  # threadpoolctl missing, or a library it cannot drive: left as loaded
+        pass
 
 
 def _imported_since(before: set[str]) -> list[str]:
     """Installed top-level packages imported since ``before`` (what to preload next time).
 
-    Only packages from the installation (site-packages, the standard library) qualify: the
-    user's own modules may be edited before the next run, and a warm interpreter would hold
-    the old code.
+    Only packages of the installation (``is_installed``) qualify: the user's own modules may be
+    edited before the next run, and a warm interpreter would hold the old code.
     """
-    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    dirs = installation_dirs()
     names = []
     for name in {n.partition(".")[0] for n in set(sys.modules) - before}:
         if not name or name.startswith("_") or name == "__main__":
             continue
-        path = getattr(sys.modules.get(name), "__file__", None) or ""
-        if path.startswith(roots) or "site-packages" in path or "dist-packages" in path:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(path, str) and is_installed(path, dirs):
             names.append(name)
     return sorted(names)
+
+
+_SITE_NAMES = ("site-packages", "dist-packages")
+
+
+def installation_dirs() -> list[str]:
+    """Real paths of the directories this interpreter's packages are installed in: its standard
+    library, its site directories, and any ``site-packages``/``dist-packages`` on sys.path."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    dirs = [paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        dirs += site.getsitepackages()
+    except AttributeError:  # the site module of an old virtualenv
+        pass
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    dirs += [e for e in sys.path if e and os.path.basename(os.path.normpath(e)) in _SITE_NAMES]
+    return sorted({os.path.realpath(d) for d in dirs if d})
+
+
+def is_installed(path: str, dirs: list[str]) -> bool:
+    """Whether ``path``, symlinks followed, lies in one of ``dirs`` (``installation_dirs``).
+
+    A real path with a separator boundary: a notebook folder named like the environment
+    (``<venv>-notebooks``) or a development checkout symlinked into site-packages is the
+    user's code, which may be edited, not part of the installation.
+    """
+    real = os.path.realpath(path)
+    return any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
+
+
+def module_files(known: dict[str, tuple[int, int]], since_ns: int) -> dict[str, tuple[int, int]]:
+    """``(mtime_ns, size)`` of the files of loaded modules not in ``known``.
+
+    A file modified after ``since_ns`` (when the imports that loaded it began) may have been
+    read before or after the change: it is recorded as ``(-1, -1)``, which ``changed_file``
+    reports as changed, so the doubt costs a restart, never stale code.
+    """
+    found = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or not os.path.isabs(path) or path in known:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        found[path] = (st.st_mtime_ns, st.st_size) if st.st_mtime_ns < since_ns else (-1, -1)
+    return found
+
+
+def changed_file(files: dict[str, tuple[int, int]]) -> str | None:
+    """The first of ``files`` (``module_files``) whose size or mtime is not as recorded."""
+    for path, (mtime, size) in files.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_mtime_ns, st.st_size) != (mtime, size):
+            return path
+    return None
 
 
 #: Set while a payload runs: a SIGINT raises KeyboardInterrupt in the user's code then, and is
@@ -739,11 +845,11 @@ class _CountingFile(io.FileIO):
     addition and a comparison until ``FLOOD_BYTES_PER_S`` worth of a window has gone by.
     """
 
-    def __init__(self, fd: int, wake: threading.Event) -> None:
+    def __init__(self, fd: int, pacer: _Pacer) -> None:
         super().__init__(fd, "wb", closefd=False)
         self.written = 0
         self.flooding = False
-        self._wake = wake
+        self._pacer = pacer
         self._since = time.monotonic()
         self._mark = 0
 
@@ -755,9 +861,14 @@ class _CountingFile(io.FileIO):
                 now = time.monotonic()
                 if now - self._since < _RATE_WINDOW_S:
                     self.flooding = True
-                    self._wake.set()
+                    self._pacer.flooded()
                 self._since, self._mark = now, self.written
         return n
+
+    def calm(self) -> None:
+        """Back to writing every line, with a fresh measure of the rate."""
+        self.flooding = False
+        self._since, self._mark = time.monotonic(), self.written
 
     def slowed_down(self) -> bool:
         """Whether the rate over the last window fell well below the flood rate."""
@@ -769,63 +880,151 @@ class _CountingFile(io.FileIO):
         return rate * _BACK_TO_LINES < FLOOD_BYTES_PER_S
 
 
-def _pace_output() -> None:
-    """Give the rank a stdout and stderr that stay live without costing a write per line.
+class _Pacer:
+    """Gives the rank a stdout and stderr that stay live without costing a write per line.
 
     Line buffering alone (what a terminal gets) costs a ``write`` per line, which makes a rank
     that prints in a tight loop about 4x slower than one writing to a file; block buffering
     alone holds lines back for as long as the rank computes, and loses the last ones when it
     crashes. So each stream is line-buffered while it is quiet and block-buffered while it
-    floods, with a thread flushing it every ``FLUSH_S``. The streams are built anew rather than
-    reconfigured: with ``PYTHONUNBUFFERED`` (common in containers) Python's own have no buffer
-    at all and cost a ``write`` per ``print`` argument.
+    floods, with a thread (started at the first flood) flushing it every ``FLUSH_S``. The
+    streams are built anew rather than reconfigured: with ``PYTHONUNBUFFERED`` (common in
+    containers) Python's own have no buffer at all and cost a ``write`` per ``print`` argument.
+
+    A fork (``os.fork``, multiprocessing and DataLoader workers with ``fork``) copies the
+    streams with their buffers and the locks inside them, but not the flushing thread. Unless
+    handled, the child writes the parent's unflushed lines a second time when it flushes, holds
+    its own lines back with nobody to flush them, and hangs for good on its first write if the
+    fork came while the thread was flushing (a buffer's lock, held by a thread the child does
+    not have: how an earlier attempt at this hung). So ``before_fork`` takes ``_lock``, which
+    the thread holds whenever it touches a stream, and flushes both streams; the child then
+    starts from clean, line-buffered streams of its own and starts its own thread if it floods.
+    A thread of the user's that is writing to a stream at the moment of a fork can still leave
+    that stream's lock held in the child, as in any Python program that forks while threads
+    print.
     """
-    wake = threading.Event()
-    streams = []
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        old = getattr(sys, name)
-        try:
-            old.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-        raw = _CountingFile(fd, wake)
-        text = io.TextIOWrapper(
-            io.BufferedWriter(raw, OUTPUT_BUFFER), line_buffering=True,
-            encoding=getattr(old, "encoding", None) or "utf-8",
-            errors=getattr(old, "errors", None) or "backslashreplace",
-        )
-        setattr(sys, name, text)
-        setattr(sys, f"__{name}__", text)  # what code restoring the "real" stream gets
-        streams.append((text, raw))
-    threading.Thread(target=_pace, args=(streams, wake), daemon=True,
-                     name="nbdist-output").start()
 
+    def __init__(self) -> None:
+        self.streams: list[tuple[io.TextIOWrapper, _CountingFile]] = []
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # held by the thread over the streams, and over a fork
+        # Never taken by ``flooded`` (which runs inside a stream's write, holding the stream's
+        # lock, while the thread holds ``_lock`` and waits for the stream's: a deadlock).
+        self._start = threading.Lock()
+        self._pid = 0  # the process whose flushing thread runs
 
-def _pace(streams: list[tuple[io.TextIOWrapper, _CountingFile]], wake: threading.Event) -> None:
-    """Switch each stream between line and block buffering; flush the buffered ones."""
-    while True:
-        if not any(raw.flooding for _, raw in streams):
-            wake.wait()  # every stream writes its lines itself: sleep until one floods
-            wake.clear()
-        else:
-            time.sleep(FLUSH_S)  # a pace, not a wait for anything
-        for text, raw in streams:
-            if not raw.flooding:
-                continue
+    def install(self) -> None:
+        """Replace ``sys.stdout`` and ``sys.stderr`` (and their ``__stdout__``...) with ours."""
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
             try:
-                if text.line_buffering:  # it just started to flood
-                    text.reconfigure(line_buffering=False)
-                    continue
+                old.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+            raw = _CountingFile(fd, self)
+            text = io.TextIOWrapper(
+                io.BufferedWriter(raw, OUTPUT_BUFFER), line_buffering=True,
+                encoding=getattr(old, "encoding", None) or "utf-8",
+                errors=getattr(old, "errors", None) or "backslashreplace",
+            )
+            setattr(sys, name, text)
+            setattr(sys, f"__{name}__", text)  # what code restoring the "real" stream gets
+            self.streams.append((text, raw))
+
+    def flooded(self) -> None:
+        """A stream started to flood: wake the flushing thread (start it in this process)."""
+        with self._start:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, daemon=True, name="nbdist-output").start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        """Switch each stream between line and block buffering; flush the buffered ones."""
+        while True:
+            if not any(raw.flooding for _, raw in self.streams):
+                self._wake.wait()  # every stream writes its lines itself: sleep until one floods
+                self._wake.clear()
+            else:
+                time.sleep(FLUSH_S)  # a pace, not a wait for anything
+            with self._lock:
+                for text, raw in self.streams:
+                    if not raw.flooding:
+                        continue
+                    try:
+                        if text.line_buffering:  # it just started to flood
+                            text.reconfigure(line_buffering=False)
+                            continue
+                        text.flush()
+                        if raw.slowed_down():
+                            raw.calm()
+                            text.reconfigure(line_buffering=True)
+                    except (OSError, ValueError):  # the pipe is gone, or the user closed it
+                        pass
+
+    def before_fork(self) -> None:
+        self._lock.acquire()
+        for text, _ in self.streams:
+            try:
                 text.flush()
-                if raw.slowed_down():
-                    raw.flooding = False
-                    text.reconfigure(line_buffering=True)
-            except (OSError, ValueError):  # the pipe is gone, or the user closed the stream
+            except (OSError, ValueError):
+                pass
+        _flush_c_stdio()
+
+    def after_fork_in_parent(self) -> None:
+        self._lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self._lock.release()
+        # Locks the parent's other threads may have held at the fork: the child gets its own.
+        self._wake = threading.Event()
+        self._start = threading.Lock()
+        for text, raw in self.streams:
+            raw.calm()
+            try:
+                text.reconfigure(line_buffering=True)  # empty (flushed before the fork)
+            except (OSError, ValueError):
                 pass
 
 
-def main() -> None:
+def _guard_forks(pacer: _Pacer) -> None:
+    """Make a fork of the rank safe for its output and its control channel (see ``_Pacer``).
+
+    The channel's and the progress bars' locks are held over the fork too, so that the child
+    never inherits one taken by a thread it does not have (nbdist.progress in a DataLoader
+    worker would hang) nor half a frame in the channel's buffer. Registered in the rank only,
+    never in the zygote, whose forks are the ranks themselves.
+    """
+
+    def before() -> None:
+        _Bar._lock.acquire()  # the order _Bar._send takes them in
+        if _channel is not None:
+            _channel._lock.acquire()
+        pacer.before_fork()
+
+    def parent() -> None:
+        pacer.after_fork_in_parent()
+        if _channel is not None:
+            _channel._lock.release()
+        _Bar._lock.release()
+
+    def child() -> None:
+        pacer.after_fork_in_child()
+        if _channel is not None:
+            _channel._lock.release()
+        _Bar._trailer = None  # the parent's thread; the child starts its own if it needs one
+        _Bar._late.clear()
+        _Bar._lock.release()
+
+    os.register_at_fork(before=before, after_in_parent=parent, after_in_child=child)
+
+
+def main(guard: bool = True) -> None:
+    """Run the rank; ``guard``: first leave a guardian behind (``_guard``), unless the caller
+    is one already (a zygote, which forks this rank)."""
     global _channel, _sync_marker
+    if guard:
+        _guard()
     _sync_marker = os.environ.pop("NBDIST_SYNC", "").encode()
     fd_in = int(os.environ.pop("NBDIST_CTL_IN"))
     fd_out = int(os.environ.pop("NBDIST_CTL_OUT"))
@@ -851,9 +1050,11 @@ def main() -> None:
     done = threading.Event()
     signal.signal(signal.SIGINT, _on_sigint)
     _AT_START.update(sys.modules)
-    _become_subreaper()
+    become_subreaper()
     threading.Thread(target=watch, name="nbdist-watch", daemon=True).start()
-    _pace_output()
+    pacer = _Pacer()
+    pacer.install()
+    _guard_forks(pacer)
     chan.event(t="state", state="ready", pid=os.getpid())
     code = 0
     try:
@@ -870,13 +1071,103 @@ def main() -> None:
         os._exit(code)
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> bool:
     """Adopt orphaned descendants, so that even a double-forked daemon stays findable."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+            libc = ctypes.CDLL(None, use_errno=True)
+            return bool(libc.prctl(36, 1, 0, 0, 0) == 0)  # 36: PR_SET_CHILD_SUBREAPER
         except (OSError, AttributeError):
             pass
+    return False
+
+
+def _guard() -> None:
+    """Fork; the parent stays behind as the rank's guardian, the child goes on as the rank.
+
+    A rank kills what it started when it ends, and adopts what its children orphan while it
+    runs (it is a child subreaper). But when it dies at once (``os._exit``, SIGKILL, a
+    segfault), a process it started in a session of its own (``setsid``,
+    ``start_new_session=True``) would be orphaned to init and live on, holding the rank's
+    output pipes. Something that outlives the rank must adopt those and end them: the
+    guardian, a child subreaper that waits for the rank, kills every process that comes to it
+    once the rank is gone, and then ends as the rank ended (the same exit code, or the same
+    signal), which is what its supervisor sees. Not the kernel (it would adopt every orphan of
+    the notebook's own processes), and not Spark's Python worker (reused for later tasks): a
+    process of the rank's own. A rank forked by a zygote has the zygote as its guardian.
+
+    The guardian holds none of the rank's pipes (its stdout and stderr go to /dev/null), and
+    ignores SIGINT, SIGTERM and SIGHUP so that a cancel reaches the rank and the guardian
+    still cleans up after it; SIGKILL to the process group ends both.
+    """
+    if not become_subreaper():
+        return  # not Linux: the rank kills what it can find when it ends, as before
+    rank = os.fork()
+    if rank == 0:
+        return  # the rank (the subreaper attribute is not inherited: main() sets its own)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # taken by sigtimedwait
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    for name in ("NBDIST_CTL_IN", "NBDIST_CTL_OUT"):
+        try:
+            os.close(int(os.environ[name]))
+        except (KeyError, ValueError, OSError):
+            pass
+    code = os.waitstatus_to_exitcode(os.waitpid(rank, 0)[1])
+    end_orphans(within=ORPHANS_GRACE_S)
+    if code < 0:  # end by the same signal, without a core dump of the guardian's own
+        try:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            signal.signal(-code, signal.SIG_DFL)
+        except (ImportError, OSError, ValueError):
+            pass
+        os.kill(os.getpid(), -code)
+        code = 128 - code  # a signal whose default is not to end the process
+    os._exit(code)
+
+
+#: How long a guardian waits for the orphans it killed to end (a process stuck in the kernel,
+#: in D state, cannot be killed: the guardian then ends anyway rather than hold up the job).
+ORPHANS_GRACE_S = 5.0
+
+
+def end_orphans(keep: frozenset[int] = frozenset(), within: float | None = None) -> None:
+    """Kill every child of this process but ``keep`` (a subreaper's orphans), and reap them.
+
+    A killed orphan's own children come to this process as it dies, and are killed in the
+    next round, until none is left or ``within`` seconds passed (SIGCHLD is blocked by then:
+    see ``_guard``). Without ``within`` (the zygote, whose ranks go on), one round: kill, and
+    leave the reaping to the caller's next SIGCHLD.
+    """
+    deadline = time.monotonic() + (within or 0.0)
+    while True:
+        try:
+            import psutil
+
+            for child in psutil.Process().children():
+                if child.pid not in keep:
+                    try:
+                        child.kill()
+                    except psutil.Error:
+                        pass
+        except Exception:  # psutil missing or /proc unreadable: reaping still ends them
+            pass
+        if within is None:
+            return
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return  # none left
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        signal.sigtimedwait([signal.SIGCHLD], left)  # pending already if one ended meanwhile
 
 
 def _kill_descendants() -> None:

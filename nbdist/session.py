@@ -34,7 +34,15 @@ import cloudpickle
 
 from nbdist import events, state, values
 from nbdist.errors import DistributedError, NbdistError
-from nbdist.job import Job, choose_launcher, dropped_error, register, retain, wait_loop
+from nbdist.job import (
+    Job,
+    choose_launcher,
+    dropped_error,
+    register,
+    retain,
+    unreachable_hint,
+    wait_loop,
+)
 from nbdist.launch import Launcher
 from nbdist.rank import RankOutcome
 
@@ -251,11 +259,17 @@ class Session(Job):
                 self.broken = reason
         self._cancel(reason)
 
+    def _fail_all(self, reason: str) -> None:
+        self._fail(reason)
+
     def _on_outcome(self, outcome: RankOutcome) -> None:
         if outcome.status == "failed" and not self._stopping:
             with self._lock:
                 if self.broken is None:
-                    self.broken = outcome.describe().splitlines()[0]
+                    self.broken = (
+                        f"{outcome.channel_error}. {unreachable_hint(self.address)}"
+                        if outcome.channel_error else outcome.describe().splitlines()[0]
+                    )
                     self._dead = outcome
         super()._on_outcome(outcome)
 

@@ -6,6 +6,7 @@ Runs on no rank, imports nothing heavy.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,15 +21,25 @@ class Hello:
     port: int | None = None  # a free port on the host, offered by rank 0 for MASTER_PORT
     gpus: tuple[str, ...] = ()  # GPU addresses this rank may use (Spark task resources)
     cpus: int = 1  # CPUs on the host, to size OMP_NUM_THREADS
+    #: The host as the backend's scheduler names it (a Spark executor's address); "" locally.
+    executor: str = ""
+    #: A port reserved on the host for this rank's TensorFlow worker (its entry in TF_CONFIG).
+    tf_port: int | None = None
 
     @classmethod
     def from_event(cls, rank: int, event: Mapping[str, Any]) -> Hello:
         """A hello as it travels (JSON on the event channel or through Spark's allGather)."""
-        port = event.get("port")
+        port, tf_port = event.get("port"), event.get("tf_port")
         return cls(
             rank=rank, host=str(event.get("host")), port=port if isinstance(port, int) else None,
             gpus=tuple(str(g) for g in event.get("gpus") or ()), cpus=int(event.get("cpus") or 1),
+            executor=str(event.get("executor") or ""),
+            tf_port=tf_port if isinstance(tf_port, int) else None,
         )
+
+    def on(self, host: str) -> bool:
+        """Whether this rank runs on ``host`` (by its address or its executor's)."""
+        return host in (self.host, self.executor)
 
 
 def plan_world(
@@ -46,6 +57,12 @@ def plan_world(
     position among the ranks on its host. With GPUs, ``CUDA_VISIBLE_DEVICES`` on a host lists
     the GPUs of that host's ranks in LOCAL_RANK order, so ``cuda:LOCAL_RANK`` is the rank's
     own GPU exactly as under torchrun, and ``NBDIST_GPU`` names it.
+
+    For TensorFlow and Keras: ``TF_CONFIG`` lists every rank's reserved port as a worker (rank
+    N is worker N; worker 0 acts as chief), so ``tf.distribute.MultiWorkerMirroredStrategy()``
+    needs no arguments; it is left out when a rank reserved no port. The
+    ``KERAS_DISTRIBUTION_*`` variables point Keras 3's ``keras.distribution.initialize()``
+    (the JAX backend's coordinator) at MASTER_ADDR:MASTER_PORT.
     """
     missing = sorted(set(range(world_size)) - set(hellos))
     if missing:
@@ -62,6 +79,7 @@ def plan_world(
             by_host[host] = []
         by_host[host].append(rank)
     user = dict(user_env or {})
+    tf_workers = _tf_workers(hellos, world_size)
     envs: dict[int, dict[str, str]] = {}
     for rank in range(world_size):
         hello = hellos[rank]
@@ -89,7 +107,15 @@ def plan_world(
             "NBDIST_JOB_ID": job_id,
             # torchrun sets 1 when it starts several processes; we share the host's cores.
             "OMP_NUM_THREADS": str(max(1, hello.cpus // len(peers))),
+            # Keras 3's keras.distribution.initialize(); on JAX, job 0 is the coordinator.
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES": address(zero.host, zero.port),
+            "KERAS_DISTRIBUTION_NUM_PROCESSES": str(world_size),
+            "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
         }
+        if tf_workers is not None:
+            env["TF_CONFIG"] = json.dumps({
+                "cluster": {"worker": tf_workers}, "task": {"type": "worker", "index": rank},
+            })
         if use_gpus:
             gpus = _host_gpus(hellos, peers)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
@@ -97,6 +123,30 @@ def plan_world(
         env.update(user)
         envs[rank] = env
     return envs
+
+
+def address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets (as gRPC and JAX's coordinator read it)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _tf_workers(hellos: Mapping[int, Hello], world_size: int) -> list[str] | None:
+    """TF_CONFIG's worker list in rank order, or None when a rank reserved no port.
+
+    Two ranks of one host that offered the same port would make one TensorFlow worker fail to
+    start its server: an error here is clearer (and reservations held until the rank starts,
+    as ``rank.py`` does, make it impossible between nbdist's own ranks).
+    """
+    workers = []
+    for rank in range(world_size):
+        hello = hellos[rank]
+        if hello.tf_port is None:
+            return None
+        workers.append(address(hello.host, hello.tf_port))
+    clash = sorted({w for w in workers if workers.count(w) > 1})
+    if clash:
+        raise ValueError(f"two ranks reserved the same TensorFlow worker address {clash[0]}")
+    return workers
 
 
 def _host_gpus(hellos: Mapping[int, Hello], peers: Sequence[int]) -> list[str]:

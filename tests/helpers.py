@@ -82,3 +82,19 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def none_left(find: Callable[[], list[psutil.Process]], within: float = GONE_WITHIN_S,
+              what: str = "rank processes left running after the test") -> None:
+    """The processes ``find`` returns are all gone within ``within`` seconds; those that are
+    not are killed and the test fails naming them."""
+    deadline = time.monotonic() + within
+    while (left := find()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # processes end on their own schedule; nothing to wait on
+    described = {p.pid: " ".join(p.cmdline()[:4]) for p in left if p.is_running()}
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not described, f"{what}: {described}"

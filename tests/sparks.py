@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,10 +72,24 @@ def marked_rank_processes(mark: str) -> list[psutil.Process]:
     return found
 
 
-class Cluster:
-    """A standalone master and workers, started from pyspark's scripts; ``stop()`` ends them."""
+#: A worker: its address, cores and fake GPU addresses.
+Worker = tuple[str, int, list[str]]
 
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+
+class Cluster:
+    """A standalone master and workers, started from pyspark's scripts; ``stop()`` ends them.
+
+    By default on loopback addresses of this machine. ``wrap(name, host)`` gives a command
+    prefix that runs a process on another (simulated) host, and ``status()`` then reads the
+    master's state from where it can be reached (``tests/multihost``).
+    """
+
+    def __init__(
+        self, workdir: Path, env: dict[str, str], *, master: str = "127.0.0.1",
+        workers: Sequence[Worker] = WORKERS, port: int | None = None,
+        ui_port: int | None = None, wrap: Callable[[str, str], list[str]] | None = None,
+        status: Callable[[str], str] | None = None,
+    ) -> None:
         self.workdir = workdir
         import pyspark
 
@@ -84,54 +98,66 @@ class Cluster:
         self._spark_class = os.path.join(home, "bin", "spark-class")
         self._env = {**env, "SPARK_HOME": home, "SPARK_LOG_DIR": str(workdir),
                      "SPARK_NO_DAEMONIZE": "1"}
-        self.port = free_port("127.0.0.1")
-        self.ui_port = free_port("127.0.0.1")
-        self.url = f"spark://127.0.0.1:{self.port}"
+        self.master = master
+        self.workers = list(workers)
+        self.port = port or free_port("127.0.0.1")
+        self.ui_port = ui_port or free_port("127.0.0.1")
+        self.url = f"spark://{master}:{self.port}"
+        self._wrap = wrap or (lambda name, host: [])
+        self._status = status or _read_url
+        self.launched: set[int] = set()  # the workers started
 
-    def launch(self) -> None:
+    def launch(self, workers: int | None = None) -> None:
         """Start the master and workers; :meth:`wait` blocks until the workers have joined."""
-        self._run("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                             "--port", str(self.port), "--webui-port", str(self.ui_port)],
-                  SPARK_LOCAL_IP="127.0.0.1")
-        for i, (host, cores, gpus) in enumerate(WORKERS):
-            script = self.workdir / f"gpus{i}.sh"
-            script.write_text(
-                "#!/bin/sh\n"
-                f"echo '{json.dumps({'name': 'gpu', 'addresses': gpus})}'\n"
-            )
-            script.chmod(0o755)
-            work = self.workdir / f"worker{i}"
-            work.mkdir()
-            self._run(
-                f"worker{i}",
-                ["org.apache.spark.deploy.worker.Worker", "--host", host, "--webui-port", "0",
-                 "--cores", str(cores), "--memory", "2g", "--work-dir", str(work), self.url],
-                SPARK_LOCAL_IP=host,
-                SPARK_WORKER_OPTS=f"-Dspark.worker.resource.gpu.amount={len(gpus)} "
-                f"-Dspark.worker.resource.gpu.discoveryScript={script}",
-            )
+        self._run("master", self.master,
+                  ["org.apache.spark.deploy.master.Master", "--host", self.master,
+                   "--port", str(self.port), "--webui-port", str(self.ui_port)],
+                  SPARK_LOCAL_IP=self.master)
+        for i in range(len(self.workers) if workers is None else workers):
+            self.launch_worker(i)
 
-    def _run(self, name: str, args: list[str], **env: str) -> None:
+    def launch_worker(self, i: int) -> None:
+        host, cores, gpus = self.workers[i]
+        script = self.workdir / f"gpus{i}.sh"
+        script.write_text(
+            "#!/bin/sh\n"
+            f"echo '{json.dumps({'name': 'gpu', 'addresses': gpus})}'\n"
+        )
+        script.chmod(0o755)
+        work = self.workdir / f"worker{i}"
+        work.mkdir()
+        self._run(
+            f"worker{i}", host,
+            ["org.apache.spark.deploy.worker.Worker", "--host", host, "--webui-port", "0",
+             "--cores", str(cores), "--memory", "2g", "--work-dir", str(work), self.url],
+            SPARK_LOCAL_IP=host,
+            SPARK_WORKER_OPTS=f"-Dspark.worker.resource.gpu.amount={len(gpus)} "
+            f"-Dspark.worker.resource.gpu.discoveryScript={script}",
+        )
+        self.launched.add(i)
+
+    def _run(self, name: str, host: str, args: list[str], **env: str) -> None:
         with open(self.workdir / f"{name}.log", "wb") as log:
             proc = subprocess.Popen(
-                [self._spark_class, *args], env={**self._env, **env}, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                [*self._wrap(name, host), self._spark_class, *args], env={**self._env, **env},
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         self.procs.append((name, proc))
 
     def wait(self) -> None:
-        n = len(WORKERS)
+        """Block until every launched worker is ALIVE at the master."""
+        n = len(self.launched)
         deadline = time.monotonic() + CLUSTER_START_S
         while True:
             for name, proc in self.procs:
                 if proc.poll() is not None:
                     raise RuntimeError(f"the standalone {name} exited:\n{self.log(name)}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/") as r:
-                    status = json.load(r)
+                status = json.loads(self._status(f"http://{self.master}:{self.ui_port}/json/"))
                 if sum(w["state"] == "ALIVE" for w in status["workers"]) >= n:
                     return
-            except (OSError, ValueError):
+            except (OSError, ValueError, RuntimeError):
                 pass  # the master's web UI is not up yet, or answered before it was ready
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the standalone cluster did not come up:\n{self.log('master')}")
@@ -145,6 +171,11 @@ class Cluster:
         # Workers first: they kill their executors in their shutdown hook.
         for _, proc in reversed(self.procs):
             _stop_group(proc)
+
+
+def _read_url(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -319,20 +350,11 @@ def no_leftover_spark_ranks(spark_mark: str) -> Iterator[None]:
     """
     from nbdist.launch.local import pool
 
-    from .helpers import GONE_WITHIN_S
+    from .helpers import none_left
 
     yield
     pool.clear()  # warm local interpreters are meant to outlive a job, not a test
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (left := marked_rank_processes(spark_mark)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    described = {p.pid: " ".join(p.cmdline()[:4]) for p in left if p.is_running()}
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    assert not described, f"rank processes left running after the test: {described}"
+    none_left(lambda: marked_rank_processes(spark_mark))
 
 
 def spark_job_ids(session: SparkSession, probe: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -60,3 +61,24 @@ def test_sessions_notebook_iterates_on_live_ranks() -> None:
     assert "defined on the ranks:" in texts[7] and "history" in texts[7]
     assert "MB" in texts[7]  # each rank's memory, reported after every cell
     assert "stopped: its 2 ranks are gone" in texts[8]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None,
+                    reason="needs tensorflow and tf-keras (nbdist[tf])")
+def test_keras_notebook_trains_with_mwms_on_two_ranks() -> None:
+    """The Keras notebook trains on two MWMS workers and leaves the chief's checkpoints only."""
+    texts = execute("03-keras.ipynb")
+    train = texts[2]
+    assert "[rank 0] Epoch 6/6" in train and "[rank 1] Epoch" not in train  # chief's log only
+    for rank in (0, 1):
+        assert f"[rank {rank}] held-out accuracy" in train
+    summary = texts[3]
+    assert "2 workers; accuracy on 297 held-out digits" in summary
+    found = re.search(r"held-out digits: ([\d.]+)%", summary)
+    assert found is not None, summary
+    accuracy = float(found.group(1))
+    assert accuracy > 80
+    assert "checkpoints: epoch-1.weights.h5" in summary and "epoch-6.weights.h5" in summary
+    assert "workertemp" not in summary  # worker 1 wrote to a temporary directory, removed

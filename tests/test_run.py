@@ -7,7 +7,6 @@ import signal
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 import nbdist
@@ -36,21 +35,32 @@ def test_every_rank_gets_the_torchrun_environment() -> None:
     assert job.result() == envs[0]
 
 
-def test_ranks_are_fresh_interpreters_in_their_own_process_group() -> None:
-    """No rank is a fork of the driver: each is a fresh interpreter or the fork of a zygote
-    (a fresh interpreter the driver started), has its own pid and leads its own group."""
-    from nbdist.launch.local import pool
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_ranks_are_fresh_interpreters_in_their_own_process_group(
+    zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No rank is a fork of the driver: each is the fork of a zygote (a fresh interpreter the
+    driver started) leading its own group, or a fresh interpreter in the group of its guardian,
+    which the driver started."""
+    from nbdist.launch import local
 
-    def who() -> tuple[int, int, int]:
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+
+    def who() -> tuple[int, int, int, int]:
         import os
 
-        return os.getpid(), os.getpgid(0), os.getppid()
+        import psutil
+
+        return os.getpid(), os.getpgid(0), os.getppid(), psutil.Process(os.getppid()).ppid()
 
     results = nbdist.run(who, np=2).results
-    for pid, pgid, ppid in results:
-        assert pid != os.getpid() and pgid == pid
-        assert ppid == os.getpid() or (ppid in pool.pids()
-                                       and psutil.Process(ppid).ppid() == os.getpid())
+    zygotes = local.pool.pids() if zygote else []
+    for pid, pgid, ppid, grandparent in results:
+        assert pid != os.getpid() and grandparent == os.getpid()
+        if zygote:
+            assert ppid in zygotes and pgid == pid
+        else:
+            assert pgid == ppid  # the guardian leads the group, the rank is its only child
 
 
 def test_output_is_live_and_labelled_by_rank(tmp_path: Path) -> None:
@@ -307,3 +317,76 @@ def test_a_silent_rank_still_sends_heartbeats(monkeypatch: pytest.MonkeyPatch,
     assert job.state.ranks[0].lines == 0 and not job.done()
     gate.touch()
     job.result(timeout=30)
+
+
+def print_then_fork(how: str) -> int:
+    import os
+    import sys
+
+    n = 0  # at least 20,000 lines, and on until the stream is block-buffered (flooding)
+    while n < 20_000 or (sys.stdout.line_buffering and n < 200_000):
+        print("p", n)
+        n += 1
+    buffered = not sys.stdout.line_buffering
+    if how.startswith("os.fork"):
+        pid = os.fork()
+        if pid == 0:
+            print("child")
+            if how == "os.fork, flush":
+                sys.stdout.flush()  # what multiprocessing's children do on their way out
+            os._exit(0)  # else no flush on the way out: the line must be written already
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    else:  # flushes before the fork and in the child on its way out (DataLoader workers)
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=print, args=("child",))
+        child.start()
+        child.join()
+        assert child.exitcode == 0
+    print("parent done")
+    return n if buffered else -1
+
+
+@pytest.mark.parametrize("how", ["os.fork", "os.fork, flush", "multiprocessing"])
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_a_child_forked_during_a_flood_repeats_nothing_and_loses_nothing(
+    how: str, zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork after 20,000 buffered lines: every line arrives exactly once, in order."""
+    from nbdist.launch import local
+
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    monkeypatch.setattr(state, "LOG_LINES", 250_000)  # keep every line to compare them all
+    job = nbdist.run(print_then_fork, how, np=1, timeout=100)
+    n = job.result(timeout=110)
+    assert n >= 20_000, "the rank's stdout was not block-buffered when it forked"
+    r = job.state.ranks[0]
+    assert [line.text for line in r.log] == [f"p {i}" for i in range(n)] + ["child",
+                                                                             "parent done"]
+    assert r.lines == n + 2
+
+
+def fork_again_and_again() -> int:
+    import os
+
+    for k in range(50):
+        for i in range(2_000):
+            print("p", k, i)
+        pid = os.fork()
+        if pid == 0:
+            print("c", k)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return 50
+
+
+def test_forks_while_the_output_is_being_flushed_never_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fifty forks in a flood (some as the flushing thread writes): none hangs, no line twice."""
+    monkeypatch.setattr(state, "LOG_LINES", 150_000)
+    job = nbdist.run(fork_again_and_again, np=1, timeout=60)
+    assert job.result(timeout=70) == 50
+    expected = [text for k in range(50) for text in [*(f"p {k} {i}" for i in range(2_000)),
+                                                     f"c {k}"]]
+    assert [line.text for line in job.state.ranks[0].log] == expected

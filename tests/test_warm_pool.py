@@ -4,10 +4,15 @@ not safe."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -15,8 +20,6 @@ import pytest
 
 import nbdist
 from nbdist.launch import local
-
-from .helpers import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,8 +122,9 @@ def test_a_zygote_that_cannot_fork_safely_gives_way_to_fresh_interpreters(
         import os
 
         import nbdist_threaded  # noqa: F401
+        import psutil
 
-        return os.getppid()
+        return psutil.Process(os.getppid()).ppid()  # its guardian's parent
 
     assert nbdist.run(uses_it, np=2).results == [os.getpid()] * 2  # started by their supervisors
     (zygote,) = local.pool._zygotes.values()
@@ -139,7 +143,7 @@ def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
     warm = set(local.pool.pids())
     assert len(warm) == 2 and not warm & {r["pid"] for r in first}
     results = nbdist.run(second_job, np=2).results
-    assert {r["pid"] for r in results} == warm
+    assert {r["parent"] for r in results} == warm  # the warm interpreters' guardians
     assert all(r["preloaded"] for r in results)
     assert [r["rank"] for r in results] == ["0", "1"]
     assert all(r["threads"] == int(str(r["omp"])) for r in results)
@@ -149,18 +153,43 @@ def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
 def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """Zygotes and warm interpreters idle longer than the limit are killed; none when disabled."""
     monkeypatch.setattr(local, "WARM_IDLE_S", 3.0)
+    # What each idle countdown lets go, recorded as it fires: on a busy machine the 3 s may
+    # run out before this thread looks at the pool, so the test never races it for a count.
+    let_go: dict[int, psutil.Process] = {}
+    clearing = [0]  # countdowns letting go right now
+    calls = threading.Condition()
+    clear = local.pool.clear
+
+    def recording_clear() -> None:
+        with calls:
+            clearing[0] += 1
+        procs = []
+        for pid in local.pool.pids():
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        clear()
+        with calls:
+            let_go.update((p.pid, p) for p in procs)
+            clearing[0] -= 1
+            calls.notify_all()
+
+    monkeypatch.setattr(local.pool, "clear", recording_clear)
     for zygote in (True, False):
         monkeypatch.setattr(local, "ZYGOTE", zygote)
-        nbdist.run(first_job, np=2).result()
-        expected = 1 if zygote else 2  # one zygote, or one warm interpreter per rank
-
-        def pooled(n: int = expected) -> bool:
-            return len(local.pool.pids()) == n
-
-        wait_for(pooled, 30, "warm processes")
-        warm = [psutil.Process(p) for p in local.pool.pids()]
-        wait_for(lambda: not local.pool.pids(), 30, "the idle processes to be let go")
-        psutil.wait_procs(warm, timeout=10)
+        let_go.clear()
+        ranks = nbdist.run(first_job, np=2).results
+        assert local.pool.wait_ready(timeout=60)  # every warm process started (or let go)
+        with calls:
+            assert calls.wait_for(lambda: not (local.pool.pids() or clearing[0]), 30)
+            gone = dict(let_go)
+        if zygote:  # the zygote that forked the ranks
+            assert {r["parent"] for r in ranks} <= set(gone)
+        else:  # one warm interpreter per rank, none of them a rank that ran
+            assert len(gone) == 2 and not set(gone) & {r["pid"] for r in ranks}
+        _, alive = psutil.wait_procs(list(gone.values()), timeout=10)
+        assert not alive
     monkeypatch.setattr(local, "WARM_POOL", False)
     nbdist.run(first_job, np=1).result()
     assert local.pool.wait_ready(timeout=5) and not local.pool.pids()
@@ -176,11 +205,15 @@ def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
 
         def hang():
             import os, time
-            open({str(tmp_path)!r} + "/up" + os.environ["RANK"], "w").write(str(os.getpid()))
+            # Written under another name, then renamed: the driver counts only whole files.
+            path = {str(tmp_path)!r} + "/up" + os.environ["RANK"]
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(path + ".tmp", path)
             time.sleep(600)
 
         job = nbdist.run(hang, np=2)
-        while len(os.listdir({str(tmp_path)!r})) < 2:
+        while len([n for n in os.listdir({str(tmp_path)!r}) if not n.endswith(".tmp")]) < 2:
             time.sleep(0.01)
         print(" ".join(map(str, local.pool.pids())), flush=True)
         time.sleep(600)
@@ -215,3 +248,196 @@ def test_an_install_between_runs_gets_a_new_zygote(
     stat = site.stat()
     os.utime(site, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     assert nbdist.run(first_job, np=1).result()["parent"] != parent
+
+
+def draws() -> dict[str, object]:
+    import os
+    import random
+
+    import numpy.random
+    import torch
+
+    out: dict[str, object] = {
+        "parent": os.getppid(), "random": random.random(), "numpy": float(numpy.random.rand()),
+        "torch": torch.randperm(8).tolist(),
+    }
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+    out["seeded"] = [random.random(), float(numpy.random.rand()), torch.randperm(8).tolist()]
+    return out
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_forked_ranks_draw_different_random_numbers_unless_seeded(
+    zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """random, numpy and torch differ per rank and per run, as in fresh interpreters; a seed
+    set in the cell still gives every rank the same stream."""
+    pytest.importorskip("torch")
+    pytest.importorskip("numpy")
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    runs = [nbdist.run(draws, np=2).results for _ in range(2)]
+    samples = [r for run in runs for r in run]
+    if zygote:  # the zygote imported numpy.random and torch before forking every one of them
+        (pid,) = local.pool.pids()
+        assert {r["parent"] for r in samples} == {pid}
+        assert {"numpy", "torch"} <= set(local.pool.modules)
+    for gen in ("random", "numpy", "torch"):
+        assert len({str(r[gen]) for r in samples}) == 4, (gen, [r[gen] for r in samples])
+    assert all(r["seeded"] == samples[0]["seeded"] for r in samples)
+
+
+KERNEL_CHANGES_ITS_ATTRIBUTES = """
+import json, os, resource
+import nbdist
+from nbdist.launch import local
+
+def attributes():
+    import os, resource
+    with open("/proc/self/status") as status:
+        umask = next(line.split()[1] for line in status if line.startswith("Umask:"))
+    return {"umask": umask, "affinity": sorted(os.sched_getaffinity(0)),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "nofile": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+            "parent": os.getppid()}
+
+before = nbdist.run(attributes, np=1).result()
+local.pool.wait_ready(60)
+os.umask(0o027)
+os.nice(2)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+if len(os.sched_getaffinity(0)) > 1:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+after = nbdist.run(attributes, np=1).result()
+print(json.dumps({"before": before, "after": after, "kernel": attributes(),
+                  "zygotes": local.pool.pids()}))
+"""
+
+
+@pytest.mark.parametrize("zygote", ["1", "0"], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_ranks_get_the_kernels_umask_affinity_nice_and_limits_at_launch(zygote: str) -> None:
+    """After the kernel changed its umask, affinity, nice and a limit, a rank has the new ones."""
+    pytest.importorskip("torch")
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHANGES_ITS_ATTRIBUTES], capture_output=True, text=True,
+        env={**os.environ, "NBDIST_ZYGOTE": zygote}, timeout=150, check=True,
+    ).stdout
+    seen = json.loads(out.splitlines()[-1])
+    kernel = {k: v for k, v in seen["kernel"].items() if k != "parent"}
+    assert {k: seen["after"][k] for k in kernel} == kernel
+    assert seen["before"]["umask"] != kernel["umask"]  # the change is what was checked
+    assert seen["before"]["nice"] != kernel["nice"]
+    if zygote == "1":  # forked, from a zygote of the new attributes
+        assert seen["after"]["parent"] in seen["zygotes"]
+
+
+def blas_threads() -> dict[str, object]:
+    import os
+
+    import numpy  # noqa: F401  (loads OpenBLAS)
+    from threadpoolctl import threadpool_info
+
+    return {"omp": os.environ["OMP_NUM_THREADS"],
+            "blas": [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]}
+
+
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_blas_thread_pools_follow_omp_num_threads(
+    zygote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy's BLAS runs OMP_NUM_THREADS threads per rank, also when loaded before the fork."""
+    pytest.importorskip("numpy")
+    pytest.importorskip("threadpoolctl")
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    for _ in range(2):  # the second run finds numpy loaded (in the zygote, or warm)
+        results = nbdist.run(blas_threads, np=2).results
+        for r in results:
+            assert r["blas"] and all(n == int(str(r["omp"])) for n in r["blas"]), r
+    if zygote:
+        assert "numpy" in local.pool.modules
+
+
+def _edit(path: Path, text: str) -> None:
+    """Rewrite a module in place (its directory untouched), with a new size and an mtime
+    that differs even on a file system of coarse timestamps (set back: not in the future)."""
+    before = path.stat().st_mtime_ns
+    path.write_text(text)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, before - 10_000_000_000))
+
+
+def _value_of(module: str) -> Callable[[], dict[str, object]]:
+    def value() -> dict[str, object]:
+        import importlib
+        import os
+
+        import torch  # noqa: F401  (so that the zygote has something worth keeping)
+
+        return {"value": importlib.import_module(module).VALUE, "parent": os.getppid()}
+
+    return value
+
+
+def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Code in ``<venv>-notebooks`` is the user's: imported fresh by every run, never kept."""
+    pytest.importorskip("torch")
+    folder = Path(sys.prefix + f"-notebooks-{os.getpid()}")
+    folder.mkdir()
+    try:
+        (folder / "nbdist_nbmod.py").write_text("VALUE = 1\n")
+        monkeypatch.syspath_prepend(str(folder))
+        assert nbdist.run(_value_of("nbdist_nbmod"), np=1).result()["value"] == 1
+        assert local.pool.wait_ready(timeout=60)
+        assert "torch" in local.pool.modules and "nbdist_nbmod" not in local.pool.modules
+        _edit(folder / "nbdist_nbmod.py", "VALUE = 22\n")
+        assert nbdist.run(_value_of("nbdist_nbmod"), np=1).result()["value"] == 22
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
+    tmp_path: Path,
+) -> None:
+    """A package whose real path is a checkout (symlinked in) is edited code, never kept."""
+    pytest.importorskip("torch")
+    checkout = tmp_path / "src" / "nbdist_devpkg"
+    checkout.mkdir(parents=True)
+    (checkout / "__init__.py").write_text("VALUE = 1\n")
+    link = Path(sysconfig.get_paths()["purelib"]) / "nbdist_devpkg"
+    link.symlink_to(checkout, target_is_directory=True)
+    try:
+        assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 1
+        assert local.pool.wait_ready(timeout=60)
+        assert "torch" in local.pool.modules and "nbdist_devpkg" not in local.pool.modules
+        _edit(checkout / "__init__.py", "VALUE = 22\n")
+        assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 22
+    finally:
+        link.unlink()
+
+
+def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
+    """An installed module the zygote preloaded, edited in place: the next run has the edit."""
+    pytest.importorskip("torch")
+    site = Path(sysconfig.get_paths()["purelib"])
+    module = site / "nbdist_sitemod.py"
+    module.write_text("VALUE = 1\n")
+    try:
+        first = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+        assert first["value"] == 1
+        assert local.pool.wait_ready(timeout=60)
+        assert "nbdist_sitemod" in local.pool.modules  # installed: the zygote holds it
+        _edit(module, "VALUE = 22\n")
+        second = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+        assert second["value"] == 22
+        # The stale zygote is replaced: the run after is forked from a new one, with the edit.
+        third = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+        assert third["value"] == 22 and third["parent"] in local.pool.pids()
+        assert third["parent"] != first["parent"]
+    finally:
+        module.unlink()
+        for cached in site.glob("__pycache__/nbdist_sitemod.*"):
+            cached.unlink()

@@ -22,6 +22,7 @@ from typing import Any
 
 from nbdist import runtime
 from nbdist.errors import CapacityError
+from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest
 from nbdist.launch.zygote import Zygote
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
@@ -60,12 +61,10 @@ def visible_gpus() -> list[str]:
 
 def _user_paths() -> str:
     """The kernel's sys.path entries a fresh interpreter would not have (added by the user)."""
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    dirs = runtime.installation_dirs()
     keep = []
     for entry in sys.path:
-        if not entry or not os.path.isdir(entry):
-            continue
-        if entry.startswith(prefixes) or "site-packages" in entry or "dist-packages" in entry:
+        if not entry or not os.path.isdir(entry) or runtime.is_installed(entry, dirs):
             continue
         keep.append(os.path.abspath(entry))
     old = os.environ.get("PYTHONPATH")
@@ -74,15 +73,49 @@ def _user_paths() -> str:
 
 def _installation_stamp() -> tuple[int, ...]:
     """When the installation last changed: ``%pip install`` touches site-packages, and what a
-    zygote or warm interpreter imported before that is not what a fresh rank would import."""
+    zygote or warm interpreter imported before that is not what a fresh rank would import.
+    (A file edited in place inside site-packages does not touch the directory: a zygote finds
+    that itself, ``zygote.py``.)"""
     stamps = []
-    for entry in sys.path:
-        if "site-packages" in entry or "dist-packages" in entry:
-            try:
-                stamps.append(os.stat(entry).st_mtime_ns)
-            except OSError:
-                pass
+    for entry in runtime.installation_dirs():
+        try:
+            stamps.append(os.stat(entry).st_mtime_ns)
+        except OSError:
+            pass
     return tuple(stamps)
+
+
+def _process_attributes() -> tuple[object, ...]:
+    """What a process started now by this thread inherits besides its environment: umask,
+    CPU affinity, nice value and resource limits.
+
+    A zygote or warm interpreter started earlier has the kernel's attributes of then; when the
+    kernel changed one since (``os.umask``, ``os.sched_setaffinity``, ``os.nice``,
+    ``resource.setrlimit``), it is not used, and the rank starts as a fresh interpreter would.
+    Affinity and nice are per thread on Linux: the supervisor threads inherit the cell's
+    thread's at launch, as do the processes they start.
+    """
+    umask = None
+    try:  # /proc reads it without setting it (os.umask would, for every thread at once)
+        with open("/proc/self/status") as status:
+            umask = next((line.split()[1] for line in status if line.startswith("Umask:")),
+                         None)
+    except OSError:
+        pass
+    affinity = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    try:
+        nice: int | None = os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        nice = None
+    limits: tuple[tuple[int, int], ...] = ()
+    try:
+        import resource
+
+        limits = tuple(resource.getrlimit(getattr(resource, name)) for name in sorted(dir(
+            resource)) if name.startswith("RLIMIT_"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return (umask, affinity, nice, limits)
 
 
 class WarmPool:
@@ -94,9 +127,9 @@ class WarmPool:
     stays for the next job, which then starts at once, even right after the last one. Where a
     zygote cannot fork safely (a module started threads or touched CUDA at import), or off
     Linux, fresh interpreters are warmed after each job instead, ready a second or two later.
-    Either is only used by a job with the same Python, working directory and environment it
-    was started with; the rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame
-    before the payload.
+    Either is only used by a job with the same Python, working directory, environment and
+    process attributes (umask, CPU affinity, nice, resource limits) it was started with; the
+    rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame before the payload.
     """
 
     def __init__(self) -> None:
@@ -111,7 +144,7 @@ class WarmPool:
     @staticmethod
     def key(spec: RankSpec) -> tuple[object, ...]:
         return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())),
-                _installation_stamp())
+                _installation_stamp(), _process_attributes())
 
     @property
     def modules(self) -> list[str]:
@@ -133,7 +166,10 @@ class WarmPool:
         evicted: list[Zygote] = []
         with self._lock:
             zygote = self._zygotes.pop(key, None)  # re-added last: the most recently used
-            if zygote is None or not zygote.alive:
+            if zygote is not None and (not zygote.alive or zygote.stale):
+                evicted.append(zygote)  # a module it imported was edited: a new one
+                zygote = None
+            if zygote is None:
                 while len(self._zygotes) >= ZYGOTES_MAX:  # the least recently used goes
                     evicted.append(self._zygotes.pop(next(iter(self._zygotes))))
                 try:
@@ -142,11 +178,15 @@ class WarmPool:
                     zygote = None  # the ranks start as fresh interpreters
             if zygote is not None:
                 self._zygotes[key] = zygote
-            self._arm_timer()
+            # Not idle while a job uses it: the countdown starts again when a job ends
+            # (fill, rest), so a job longer than the idle limit keeps its zygote.
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         for old in evicted:
             old.discard()
         if zygote is not None:
-            zygote.warm(sorted(set(modules) | self._last))
+            zygote.warm(sorted(set(modules) | self._last), check=True)
 
     def ready(self, spec: RankSpec, abort: threading.Event) -> None:
         """Wait until the zygote of ``spec``'s environment has imported what it was asked
@@ -178,6 +218,11 @@ class WarmPool:
             return
         self._last = set(modules)
         zygote = self._zygote(template)
+        if zygote is not None and zygote.stale:  # replaced now, ready for the next job
+            self.prepare(template, tuple(modules))
+            with self._lock:
+                self._arm_timer()
+            return
         if zygote is not None and zygote.safe:
             zygote.warm(modules)
             with self._lock:
@@ -208,6 +253,12 @@ class WarmPool:
             if stale:
                 rp.discard()
                 return
+        with self._lock:
+            self._arm_timer()
+
+    def rest(self) -> None:
+        """A job ended without warming anything (cancelled, a session): start the idle
+        countdown."""
         with self._lock:
             self._arm_timer()
 
@@ -306,6 +357,7 @@ class LocalLauncher:
     """Ranks as local processes; see the module docstring."""
 
     name = "local"
+    remote = False  # the supervisors are threads of the kernel: no keepalive needed
 
     def __init__(self) -> None:
         self._supervisors: list[Supervisor] = []
@@ -319,8 +371,8 @@ class LocalLauncher:
         self._first = threading.Event()  # rank 0 has its process (or never will)
         self._on_outcome: Callable[[RankOutcome], None] = lambda outcome: None
 
-    def driver_host(self) -> str:
-        return "127.0.0.1"
+    def driver_address(self) -> DriverAddress:
+        return DriverAddress("127.0.0.1", "127.0.0.1", 0, "the local backend (loopback)")
 
     def capacity(self) -> Capacity:
         cpus = os.cpu_count() or 1
@@ -397,6 +449,8 @@ class LocalLauncher:
         if last and not self._cancelled and self._warm_after:
             modules = sorted({m for sup in sups for m in sup.modules})
             pool.fill(sups[0].spec, len(sups), modules)
+        elif last:
+            pool.rest()
         self._on_outcome(outcome)
 
     def cancel(self) -> None:

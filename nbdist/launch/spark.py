@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
-from nbdist import events
+from nbdist import events, launch
 from nbdist.errors import CapacityError, LaunchError
 from nbdist.launch import Capacity, LaunchRequest
 from nbdist.rank import RankOutcome
@@ -195,6 +195,7 @@ class SparkLauncher:
     """
 
     name = "spark"
+    remote = True
 
     def __init__(self, session: Any = None) -> None:
         self._session = active_session() if session is None else session
@@ -224,10 +225,40 @@ class SparkLauncher:
             # event to wait on from Python: poll its registry, briefly.
             time.sleep(0.1)
 
-    def driver_host(self) -> str:
-        """``spark.driver.host``: the address at which executors already reach the driver."""
-        host = self._sc.getConf().get("spark.driver.host")
-        return str(host) if host else events.hostname_for_peers()
+    def driver_address(self) -> events.DriverAddress:
+        """Bind what Spark binds, advertise what Spark advertises (unless configured).
+
+        Listening on ``spark.driver.bindAddress`` (every interface when it is not set) and
+        telling the ranks ``spark.driver.host`` works wherever Spark's own driver is
+        reachable: a host name that resolves to 127.0.1.1 on the driver (Debian), a second
+        interface. Behind a port forwarder (a driver in a container) the ranks are told
+        ``%config DistMagics.driver_host`` / ``NBDIST_DRIVER_HOST`` and the fixed port
+        ``DistMagics.driver_port`` / ``NBDIST_DRIVER_PORT`` instead.
+        """
+        conf = self._sc.getConf()
+        bind = str(conf.get("spark.driver.bindAddress") or "")
+        host, host_from = launch.setting("driver_host")
+        if not host:
+            spark_host = conf.get("spark.driver.host")
+            host, host_from = (
+                (str(spark_host), "spark.driver.host") if spark_host
+                else (events.hostname_for_peers(), "this machine's address")
+            )
+        port_text, port_from = launch.setting("driver_port")
+        try:
+            port = int(port_text or 0)
+        except ValueError:
+            raise ValueError(f"{port_from} must be a port number, not {port_text!r}") from None
+        if not 0 <= port <= 65535:
+            raise ValueError(f"{port_from} must be a port number (1-65535, or 0 for any), "
+                             f"not {port}")
+        source = (
+            f"on {events.interface_text(bind)} (spark.driver.bindAddress"
+            f"{f'={bind}' if bind else ' is not set'})"
+            f"{f', port {port} ({port_from})' if port else ''}, advertised as {host} "
+            f"({host_from})"
+        )
+        return events.DriverAddress(bind, host, port, source)
 
     def capacity(self) -> Capacity:
         info = self.cluster()
@@ -321,14 +352,23 @@ class SparkLauncher:
             self._finished.set()
         outcomes = {rank: _outcome(rank, fields) for rank, fields in rows}
         culprit = _failed_partition(error) if error is not None else None
+        lost_host = self._lost_executor(error) if error is not None else None
         for rank in range(request.np):
             outcome = outcomes.get(rank)
             if outcome is None:
-                outcome = self._lost(rank, error, culprit)
+                outcome = self._lost(rank, error, culprit, lost_host)
             on_outcome(outcome)
 
-    def _lost(self, rank: int, error: BaseException | None, culprit: int | None) -> RankOutcome:
-        """The outcome of a rank whose task returned nothing."""
+    def _lost(
+        self, rank: int, error: BaseException | None, culprit: int | None,
+        lost_host: str | None = None,
+    ) -> RankOutcome:
+        """The outcome of a rank whose task returned nothing.
+
+        With ``lost_host`` (an executor was lost) every such outcome carries it: the job,
+        which knows where each rank ran, then fails the ranks that were on that host and
+        counts the others as stopped.
+        """
         if self._killed or (self._cancelled and error is None):
             return RankOutcome(rank, "cancelled")
         if error is None:
@@ -337,12 +377,39 @@ class SparkLauncher:
                 "message": f"the barrier task of rank {rank} returned no outcome",
             })
         if culprit is not None and culprit != rank:
-            return RankOutcome(rank, "cancelled")  # Spark stopped it with the failed stage
+            # Spark stopped it with the failed stage
+            return RankOutcome(rank, "cancelled", lost_host=lost_host)
         stage, cause = _spark_reason(error)
+        if lost_host is not None:
+            return RankOutcome(rank, "failed", lost_host=lost_host, error={
+                "type": "ExecutorLost",
+                "message": f"its Spark executor on {lost_host} was lost: {cause}",
+                "traceback": f"rank {rank}'s Spark executor on {lost_host} was lost: "
+                f"{cause}\n{stage}\n",
+            })
         return RankOutcome(rank, "failed", error={
             "type": "SparkTaskFailed", "message": f"its Spark task failed: {cause}",
             "traceback": f"rank {rank}'s Spark task failed: {cause}\n{stage}\n",
         })
+
+    def _lost_executor(self, error: BaseException) -> str | None:
+        """The host of the executor whose loss failed the stage, if that is what happened."""
+        text = str(error)
+        found = _EXECUTOR_LOST.search(text)
+        if found is None:
+            return None
+        executor = found.group(1)
+        # A barrier stage's failure names the executor, not its host: Spark's list of
+        # executors (the dead ones included) has it.
+        try:
+            listed = self._sc._jsc.sc().statusStore().executorList(False)
+            for i in range(listed.size()):
+                summary = listed.apply(i)
+                if str(summary.id()) == executor:
+                    return str(summary.hostPort()).rsplit(":", 1)[0].strip("[]")
+        except Exception:  # py4j errors: JVM internals this Spark build lacks
+            pass
+        return None
 
     def cancel(self) -> None:
         """Stop the ranks: the supervisors first (the job has told them), then Spark's tasks."""
@@ -416,6 +483,7 @@ def _outcome(rank: int, fields: _Fields) -> RankOutcome:
     return RankOutcome(rank, **kept)
 
 
+_EXECUTOR_LOST = re.compile(r"ExecutorLostFailure \(executor (\S+) ")
 _LOST_TASK = re.compile(r"Lost task (\d+)\.\d+ in stage")
 _BARRIER_TASK = re.compile(r"barrier task ResultTask\(\d+, (\d+)\)")
 
@@ -452,7 +520,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
     """The function each barrier task runs; pickled by value, so it holds plain values only."""
     job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
     payload, gpu, env, run_id = request.payload, request.gpu, dict(request.env), request.run_id
-    session = request.session
+    session, heartbeat_timeout = request.session, request.heartbeat_timeout
 
     def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
         from pyspark import BarrierTaskContext
@@ -475,7 +543,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
             }}
             return
         yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
-                             run_id, session)
+                             run_id, session, heartbeat_timeout)
 
     return nbdist_rank
 
@@ -483,7 +551,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
 def run_task(
     ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
     payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
-    session: bool = False,
+    session: bool = False, heartbeat_timeout: float | None = None,
 ) -> _Fields:
     """Run one rank inside its barrier task with the shared supervisor; its outcome as fields."""
     import json
@@ -504,6 +572,7 @@ def run_task(
         rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
         host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
         python=sys.executable, run_id=run_id, session=session,
+        executor=_executor_host(ctx, rank), heartbeat_timeout=heartbeat_timeout,
     )
 
     def gather(hello: dict[str, Any]) -> list[dict[str, Any]]:
@@ -531,6 +600,11 @@ def _task_host(ctx: Any, rank: int) -> str:
     local_ip = os.environ.get("SPARK_LOCAL_IP", "")
     if local_ip and local_ip not in ("0.0.0.0", "::"):
         return local_ip
+    return _executor_host(ctx, rank)
+
+
+def _executor_host(ctx: Any, rank: int) -> str:
+    """The host of this task's executor as the driver knows it (Spark's own messages use it)."""
     address = str(ctx.getTaskInfos()[rank].address)
     return address.rsplit(":", 1)[0].strip("[]")
 
@@ -541,11 +615,12 @@ def _worker_pythonpath() -> dict[str, str]:
     Files shipped with ``addPyFile`` or ``--py-files`` are put on the worker's ``sys.path`` at
     run time, not in its environment; the rank's fresh interpreter would not see them.
     """
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    from nbdist.runtime import installation_dirs, is_installed
+
+    dirs = installation_dirs()
     keep = [
         entry for entry in sys.path
-        if entry and os.path.exists(entry) and not entry.startswith(prefixes)
-        and "site-packages" not in entry and "dist-packages" not in entry
+        if entry and os.path.exists(entry) and not is_installed(entry, dirs)
     ]
     old = os.environ.get("PYTHONPATH", "")
     paths = list(dict.fromkeys([*keep, *(p for p in old.split(os.pathsep) if p)]))

@@ -14,10 +14,12 @@ and no CUDA driver loaded (a library that touched CUDA at import would leave the
 unable to use it). Otherwise it says why, and the pool starts fresh interpreters instead. A
 forked rank starts as a fresh one would: in a session of its own, with its own stdout, stderr
 and control pipes (passed over the zygote's socket with SCM_RIGHTS), default signal handlers
-and its own random state (Python's ``random`` reseeds itself in a fork).
+and its own random state (``_fresh_random_state``).
 
 The driver talks to the zygote over a ``SOCK_SEQPACKET`` socket pair, one JSON object per
-packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready``;
+packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready`` (which says
+``stale`` when a file of a module it imported changed on disk since: it then forks nothing
+more and the pool replaces it);
 ``{"t": "fork"}`` with four descriptors, answered by ``forked`` with the pid. Zygote → driver:
 ``{"t": "exit", "pid": P, "code": C}`` for each rank that ended (the zygote is their parent and
 reaps them). End of file on the socket means the driver is gone: the zygote exits, and its
@@ -45,6 +47,14 @@ import traceback
 from typing import IO, Any
 
 from nbdist.rank import RankProcess, new_sync_marker
+from nbdist.runtime import (
+    become_subreaper,
+    changed_file,
+    end_orphans,
+    installation_dirs,
+    is_installed,
+    module_files,
+)
 
 #: How the zygote is started; the ranks it forks show the same command line.
 COMMAND = "from nbdist.launch.zygote import main; main()"
@@ -82,7 +92,9 @@ class Zygote:
 
     def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        full = {**os.environ, **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno())}
+        # When it starts importing: a module file modified after this is not trusted.
+        full = {**os.environ, **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno()),
+                "NBDIST_ZYGOTE_T0": str(time.time_ns())}
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
             # Its own output goes nowhere: the ranks it forks get pipes of their own.
@@ -109,6 +121,8 @@ class Zygote:
         self.modules: set[str] = set()
         self.safe = True
         self.why = ""
+        #: A module it imported changed on disk since: it would fork stale code.
+        self.stale = False
         threading.Thread(target=self._read, name="nbdist-zygote", daemon=True).start()
 
     @property
@@ -116,10 +130,11 @@ class Zygote:
         return self.proc.pid
 
     # -- requests ------------------------------------------------------------------------------
-    def warm(self, modules: list[str] | tuple[str, ...]) -> None:
-        """Import ``modules`` (those not imported yet) in the background."""
+    def warm(self, modules: list[str] | tuple[str, ...], check: bool = False) -> None:
+        """Import ``modules`` (those not imported yet) in the background; with ``check`` (at
+        a launch), also when there is nothing new, for the zygote's check of its files."""
         new = sorted(set(modules) - self.modules)
-        if not new and self._asked:
+        if not new and self._asked and not check:
             return
         with self._cond:
             self._asked += 1
@@ -218,6 +233,7 @@ class Zygote:
                 with self._cond:
                     self.modules.update(msg.get("modules", ()))
                     self.safe, self.why = bool(msg.get("safe")), str(msg.get("why", ""))
+                    self.stale = self.stale or bool(msg.get("stale"))
                     self._answered += 1
                     self._cond.notify_all()
         self._lost()
@@ -260,13 +276,22 @@ class Zygote:
 # -- the zygote's side ----------------------------------------------------------------------------
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop("NBDIST_ZYGOTE_FD")))
+    started = int(os.environ.pop("NBDIST_ZYGOTE_T0", "0")) or time.time_ns()
     import nbdist.runtime  # noqa: F401  (what every rank runs, loaded once here)
+
+    # The files of every module it holds, as they were when imported: checked at each request
+    # to warm, that is at each launch, so that no rank is forked with code edited since.
+    files = module_files({}, started)
 
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select below
+    # The guardian of its ranks (runtime._guard): what a rank that died at once leaves
+    # running comes to the zygote, which kills it; only the ranks are its own children.
+    become_subreaper()
+    ranks: set[int] = set()
     safe, why = _fork_safety()
     sel = selectors.PollSelector()  # not select.select: no limit on descriptor numbers
     sel.register(sock, selectors.EVENT_READ)
@@ -279,7 +304,7 @@ def main() -> None:
                     pass
             except BlockingIOError:
                 pass
-            _reap(sock)
+            _reap(sock, ranks)
         if sock.fileno() not in readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, _PACKET, 4)
@@ -287,33 +312,54 @@ def main() -> None:
             os._exit(0)  # the driver is gone
         msg = json.loads(data)
         if msg.get("t") == "warm":
-            imported = _import(msg.get("modules", []))
-            safe, why = _fork_safety()
+            changed = changed_file(files)
+            if changed is None:
+                since = time.time_ns()
+                imported = _import(msg.get("modules", []))
+                files.update(module_files(files, since))
+                safe, why = _fork_safety()
+            else:  # no more imports nor forks: the pool replaces it
+                imported = []
+                safe, why = False, f"{changed} changed on disk since the zygote imported it"
             sock.send(json.dumps({"t": "ready", "modules": imported, "safe": safe,
-                                  "why": why}).encode())
+                                  "why": why, "stale": changed is not None}).encode())
         elif msg.get("t") == "fork":
             ok = safe and len(fds) == 4
             pid = _fork(fds, sock, (wake_r, wake_w), str(msg.get("sync", ""))) if ok else None
+            if pid is not None:
+                ranks.add(pid)
             for fd in fds:
                 os.close(fd)
             sock.send(json.dumps({"t": "forked", "pid": pid}).encode())
 
 
-def _reap(sock: socket.socket) -> None:
+def _reap(sock: socket.socket, ranks: set[int]) -> None:
+    """Reap what ended; say which ranks did, once what they left behind is killed.
+
+    A rank's orphans are adopted before its own end is signalled, so killing every child that
+    is not a running rank, before the exit goes out, means its supervisor sees its output
+    pipes close right after. Their own children come here as they die: the next SIGCHLD.
+    """
+    ended = []
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
-        code = os.waitstatus_to_exitcode(status)
+            break
+        if pid in ranks:
+            ranks.discard(pid)
+            ended.append((pid, os.waitstatus_to_exitcode(status)))
+    end_orphans(keep=frozenset(ranks))
+    for pid, code in ended:
         sock.send(json.dumps({"t": "exit", "pid": pid, "code": code}).encode())
 
 
-def _installed(name: str) -> bool:
-    """True for a package of the installation (site-packages, the standard library), not one
-    of the user's (on the working directory or PYTHONPATH), which may be edited between runs."""
+def _installed(name: str, dirs: list[str]) -> bool:
+    """True for a package of the installation (``runtime.is_installed``: site-packages, the
+    standard library), not one of the user's (on the working directory or PYTHONPATH,
+    symlinked into site-packages), which may be edited between runs."""
     top = name.partition(".")[0]
     try:
         spec = importlib.util.find_spec(top)
@@ -323,17 +369,15 @@ def _installed(name: str) -> bool:
         return False
     if spec.origin in ("built-in", "frozen"):
         return True
-    roots = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     paths = [p for p in (spec.origin, *(spec.submodule_search_locations or ())) if p]
-    return bool(paths) and all(
-        p.startswith(roots) or "site-packages" in p or "dist-packages" in p for p in paths
-    )
+    return bool(paths) and all(is_installed(p, dirs) for p in paths)
 
 
 def _import(modules: list[str]) -> list[str]:
     done = []
+    dirs = installation_dirs()
     for name in modules:
-        if not _installed(name):
+        if not _installed(name, dirs):
             continue
         try:
             importlib.import_module(name)
@@ -369,6 +413,33 @@ def _fork(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str)
     os._exit(70)  # EX_SOFTWARE: the rank runtime could not start (it leaves by os._exit)
 
 
+def _fresh_random_state() -> None:
+    """Reseed the global generators the zygote's imports created, from fresh OS entropy.
+
+    Every fork would otherwise start from the zygote's state: the same ``torch.randperm`` on
+    every rank of every run (correlated dropout, augmentation, sampling). A fresh interpreter
+    seeds them from entropy at import; so does this, for those already imported (a module not
+    imported yet seeds itself when the rank imports it). Python's ``random`` reseeds itself
+    after a fork. torch's CUDA generators need nothing: CUDA is never initialised in a zygote
+    (``_fork_safety``), and torch seeds each device's generator from entropy when the rank
+    first uses it, as in a fresh interpreter (``torch.seed()`` would instead queue the CPU
+    seed for every device). The string hash seed is fixed when an interpreter starts and
+    stays the zygote's: documented, not changeable after start.
+    """
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        try:
+            np_random.seed()  # the legacy global RandomState; default_rng() draws fresh anyway
+        except Exception:  # a broken or partial numpy must not stop the rank
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            torch.default_generator.seed()
+        except Exception:
+            pass
+
+
 def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> None:
     """In the forked child: shed the zygote's state, take the rank's pipes, run the rank."""
     signal.set_wakeup_fd(-1)
@@ -384,6 +455,7 @@ def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], syn
     os.close(err)
     os.environ["NBDIST_CTL_IN"], os.environ["NBDIST_CTL_OUT"] = str(ctl_in), str(ctl_out)
     os.environ["NBDIST_SYNC"] = sync
+    _fresh_random_state()
     from nbdist.runtime import main as run_rank
 
-    run_rank()
+    run_rank(guard=False)  # the zygote is its guardian

@@ -76,7 +76,12 @@ class TextView(BackgroundRenderer):
         silent = set(self.job.silent_ranks())
         for rank in sorted(silent ^ self._silent):
             r = self.job.ranks[rank]
-            what = status.silent_since(r) if rank in silent else "heard from again"
+            if rank in silent:
+                what = status.silent_since(r)
+            elif r.state in FINAL:
+                continue  # it ended (its state says how), which is not being heard from
+            else:
+                what = "heard from again"
             out.write(f"[rank {rank:>{self._width}}] {what}\n")
             wrote = True
         self._silent = silent

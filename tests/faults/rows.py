@@ -161,6 +161,33 @@ def f():
     wait_for(lambda: not alive(pid), GONE_WITHIN_S, f"the {how} child to die")
 
 
+#: A rank dying at once, and what its failure then says.
+SUDDEN_DEATHS = {
+    "os._exit": ("os._exit(3)", "exited with code 3 before returning a result"),
+    "SIGKILL": ("os.kill(os.getpid(), 9)", "was killed by SIGKILL"),
+    "segfault": ("import ctypes; ctypes.string_at(0)", "was killed by SIGSEGV"),
+}
+
+
+def escaped_child_dies_with_its_rank(target: Target, death: str, tmp_path: Path) -> None:
+    fault, expected = SUDDEN_DEATHS[death]
+    pidfile = tmp_path / "pid"
+    src = f"""
+def f():
+    import os, subprocess
+    # Its own session, and the rank's stdout and stderr: nothing of the rank's group.
+    p = subprocess.Popen(['sleep', '600'], start_new_session=True)
+    open({str(pidfile)!r}, 'w').write(str(p.pid))
+    print("started it", flush=True)
+    {fault}
+"""
+    err = failure(job_of(target, src, np=1))
+    assert expected in err.failures[0] and "started it" in err.failures[0]
+    pid = int(pidfile.read_text())
+    wait_for(lambda: not alive(pid), GONE_WITHIN_S, f"the escaped child to die ({death})")
+    all_gone(target)
+
+
 def cancel_kills_escaped_children(target: Target, tmp_path: Path) -> None:
     src = f"""
 def f():
@@ -222,7 +249,7 @@ def f():
 """
     job = job_of(target, src)
     wait_for(lambda: all(r.last_line == "working" for r in job.state.ranks), 120, "ranks up")
-    server = events.shared_server(job.launcher.driver_host())
+    server = events.shared_server(job.launcher.driver_address())
     rejected = server.rejected
     for payload in (b"GET / HTTP/1.1\r\n\r\n",
                     events.encode({"t": "hello", "job": job.id, "rank": 0, "mac": "0" * 64}),
@@ -259,10 +286,11 @@ class Misdirected:
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
         self.name = launcher.name
+        self.remote = launcher.remote
         self.port = events.free_port("127.0.0.1")  # free: nothing listens on it
 
-    def driver_host(self) -> str:
-        return self.launcher.driver_host()
+    def driver_address(self) -> events.DriverAddress:
+        return self.launcher.driver_address()
 
     def capacity(self) -> Any:
         return self.launcher.capacity()
@@ -317,7 +345,7 @@ def unreachable_event_server(target: Target) -> None:
         assert job.results == [(0, 2), (1, 2)]  # the world was planned, the collective ran
     lost = job.lost_output
     assert lost is not None and str(warned[0].message) == lost == job.state.reason
-    where = f"{job.launcher.driver_host()}:{launcher.port}"
+    where = f"{job.address.advertise}:{launcher.port}"
     assert re.search(r"output lost from ranks 0, 1: 8 lines of output and [1-9]\d* "
                      r"progress/metrics updates never reached the notebook", lost), lost
     assert f"cannot reach the driver's event server at {where}: ConnectionRefusedError" in lost
@@ -364,7 +392,7 @@ def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
 
     ended = job_of(target, "def f():\n    return 0\n", np=1)
     assert ended.results == [0]
-    server = events.shared_server(ended.launcher.driver_host())
+    server = events.shared_server(ended.launcher.driver_address())
     before = server.rejected
     cases = hostile.malformed(ended.id)
     cases.append(("a signed hello for the job that just ended",
@@ -379,7 +407,7 @@ def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
 def a_job_among_idle_strangers(target: Target, tmp_path: Path) -> None:
     from .. import hostile
 
-    server = events.shared_server(choose_launcher(1, target.backend)[0].driver_host())
+    server = events.shared_server(choose_launcher(1, target.backend)[0].driver_address())
     before = server.rejected
     with hostile.IdleStrangers(server.address, 1000) as strangers:
         streams_live(target, tmp_path, "among-strangers")

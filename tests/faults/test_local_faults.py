@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,21 @@ def test_hung_collective_with_timeout() -> None:
 def test_processes_a_rank_starts_die_with_it(how: str, tmp_path: Path) -> None:
     """Children the rank leaves running (same group, own session, daemonized) are killed."""
     rows.lingering_children_die(LOCAL, how, tmp_path)
+
+
+@pytest.mark.parametrize("death", list(rows.SUDDEN_DEATHS))
+@pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+def test_a_child_in_its_own_session_dies_with_a_rank_that_died_at_once(
+    death: str, zygote: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """os._exit, SIGKILL, segfault: the rank's setsid child is killed, its pipes let go."""
+    from nbdist.launch import local
+
+    monkeypatch.setattr(local, "ZYGOTE", zygote)
+    rows.escaped_child_dies_with_its_rank(LOCAL, death, tmp_path)
+    # The supervisor read the rank's pipes to their end: no pump is left waiting on them.
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.endswith("(_pump)")],
+             10, "the output pumps to end")
 
 
 def test_cancel_kills_escaped_children_too(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import nbdist
 from nbdist import job as jobs
 from nbdist import state
 
-from ..helpers import GONE_WITHIN_S, wait_for
+from ..helpers import GONE_WITHIN_S, is_rank, wait_for
 from ..sparks import marked_rank_processes, spark_job_ids
 from . import rows
 
@@ -99,6 +99,14 @@ def test_processes_a_rank_starts_die_with_it(
     rows.lingering_children_die(spark, how, tmp_path)
 
 
+@pytest.mark.parametrize("death", list(rows.SUDDEN_DEATHS))
+def test_a_child_in_its_own_session_dies_with_a_rank_that_died_at_once(
+    spark: rows.Target, death: str, tmp_path: Path
+) -> None:
+    """os._exit, SIGKILL, segfault: the rank's setsid child is killed with it."""
+    rows.escaped_child_dies_with_its_rank(spark, death, tmp_path)
+
+
 def test_cancel_kills_escaped_children_too(spark: rows.Target, tmp_path: Path) -> None:
     """Cancelling a job kills what its ranks started in their own sessions."""
     rows.cancel_kills_escaped_children(spark, tmp_path)
@@ -121,8 +129,19 @@ def test_killed_spark_worker_takes_its_rank_along(spark: rows.Target) -> None:
 def test_spark_killing_the_tasks_takes_the_ranks_along(spark: rows.Target) -> None:
     """Ranks nbdist cannot tell to stop (no channel) are stopped by Spark killing their tasks."""
     job, _ = rows.misdirected_job(spark, HANG)
-    wait_for(lambda: len(spark.processes()) == 2, 120, "both ranks up")
-    pids = [p.pid for p in spark.processes()]
+
+    def ranks_up() -> int:  # ranks, each the child of its guardian (also a rank's process)
+        up = 0
+        for p in spark.processes():
+            try:
+                parent = p.parent()
+                up += parent is not None and is_rank(parent)
+            except psutil.Error:
+                pass
+        return up
+
+    wait_for(lambda: ranks_up() == 2, 120, "both ranks up")
+    pids = [p.pid for p in spark.processes()]  # the ranks and their guardians
     job.cancel()  # reaches no supervisor: after CANCEL_GRACE_S Spark kills the tasks
     assert rows.failure(job).reason == "cancelled"
     assert [r.state for r in job.state.ranks] == [state.CANCELLED] * 2
