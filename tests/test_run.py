@@ -380,6 +380,7 @@ def fork_again_and_again() -> int:
     return 50
 
 
+@pytest.mark.slow
 def test_forks_while_the_output_is_being_flushed_never_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -268,6 +268,7 @@ def draws() -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
 def test_forked_ranks_draw_different_random_numbers_unless_seeded(
     zygote: bool, monkeypatch: pytest.MonkeyPatch
@@ -316,6 +317,7 @@ print(json.dumps({"before": before, "after": after, "kernel": attributes(),
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zygote", ["1", "0"], ids=["zygote", "NBDIST_ZYGOTE=0"])
 def test_ranks_get_the_kernels_umask_affinity_nice_and_limits_at_launch(zygote: str) -> None:
     """After the kernel changed its umask, affinity, nice and a limit, a rank has the new ones."""
@@ -343,6 +345,7 @@ def blas_threads() -> dict[str, object]:
             "blas": [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
 def test_blas_thread_pools_follow_omp_num_threads(
     zygote: bool, monkeypatch: pytest.MonkeyPatch
@@ -380,6 +383,7 @@ def _value_of(module: str) -> Callable[[], dict[str, object]]:
     return value
 
 
+@pytest.mark.slow
 def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -399,6 +403,7 @@ def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
         shutil.rmtree(folder)
 
 
+@pytest.mark.slow
 def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
     tmp_path: Path,
 ) -> None:
@@ -419,6 +424,7 @@ def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
         link.unlink()
 
 
+@pytest.mark.slow
 def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
     """An installed module the zygote preloaded, edited in place: the next run has the edit."""
     pytest.importorskip("torch")
