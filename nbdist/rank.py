@@ -450,7 +450,9 @@ class Supervisor:
             if self._cancelled.is_set() or time.monotonic() > deadline:
                 return False
             if client is None and self._gathered.is_set():
-                return False  # the fallback rendezvous failed
+                # The fallback rendezvous ended; it may have set the world just after the wait
+                # above timed out (it sets the world before ``_gathered``), so look again.
+                return self._world.is_set() and not self._cancelled.is_set()
             if client is not None and not client.alive:
                 return False
             # (A driver that went silent is caught by _beat, which cancels.)
