@@ -1,12 +1,14 @@
 # Two commands do all the set-up on a fresh machine (see README.md):
 #   make quickstart   the main job: notebooks/01-quickstart.ipynb on 2 local ranks
 #   make test         lint, types and the whole test suite (real kernels, Spark, a browser)
+# While developing (docs/developing.md):
+#   make check        lint, types and the fast tests: the loop to run after every change
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup quickstart test lint system-deps bench
+.PHONY: setup quickstart test check lint system-deps bench
 
 setup: $(VENV)/.installed
 
@@ -34,8 +36,20 @@ system-deps:
 	@command -v ip >/dev/null || { apt-get update -qq && apt-get install -y -qq iproute2; }
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; }
 
+# The fast loop: every test not marked slow (a test that took more than 3 s when measured;
+# docs/developing.md), spark or browser. Real ranks still run; Spark and the browser do not.
+check: lint
+	$(PY) -m pytest -q -m "not slow and not spark and not browser"
+
+# The whole suite under coverage, measured in the ranks, zygotes, kernels and Spark workers the
+# tests start too ([tool.coverage.run] in pyproject.toml). The report ends the output, whether
+# the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A process killed while
+# it was creating its data file (the fault tests kill ranks) leaves it empty: dropped.
 test: setup system-deps lint
-	SPARK_LOCAL_IP=127.0.0.1 $(PY) -m pytest
+	rm -f .coverage .coverage.*
+	SPARK_LOCAL_IP=127.0.0.1 $(VENV)/bin/coverage run -m pytest; status=$$?; \
+	find . -maxdepth 1 -name '.coverage.*' -empty -delete; \
+	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; exit $$status
 
 # Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
 bench: setup system-deps

@@ -58,7 +58,7 @@ _COMMON_CONF = {
 
 def marked_rank_processes(mark: str) -> list[psutil.Process]:
     """Rank interpreters (and what they started) of this test session, anywhere on the machine."""
-    from .conftest import is_rank
+    from .helpers import is_rank
 
     found = []
     for proc in psutil.process_iter():
@@ -350,7 +350,7 @@ def no_leftover_spark_ranks(spark_mark: str) -> Iterator[None]:
     """
     from nbdist.launch.local import pool
 
-    from .conftest import none_left
+    from .helpers import none_left
 
     yield
     pool.clear()  # warm local interpreters are meant to outlive a job, not a test

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import nbdist
 
 
@@ -19,6 +21,7 @@ def test_exported_members() -> None:
     assert issubclass(nbdist.DistributedError, RuntimeError)
 
 
+@pytest.mark.slow
 def test_import_and_load_ext_work_without_torch_or_pyspark() -> None:
     """`import nbdist` and `%load_ext nbdist` need neither torch nor pyspark, nor import them."""
     code = (

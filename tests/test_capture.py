@@ -328,6 +328,7 @@ def fresh_results(ip: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
 def test_shape_runs_in_a_fresh_interpreter(fresh_results: dict[str, Any], shape: Shape) -> None:
     """The captured payload alone, in an interpreter that never saw the notebook, gives the

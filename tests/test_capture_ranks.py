@@ -18,7 +18,7 @@ from nbdist import job as jobs
 from nbdist.errors import CaptureError, CaptureWarning, DistributedError
 from nbdist.events import free_port
 
-from .conftest import rank_processes, run
+from .helpers import rank_processes, run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,6 +32,7 @@ def nb(ip: Any) -> Iterator[Any]:
         del ip.user_ns[name]
 
 
+@pytest.mark.slow
 def test_imports_and_notebook_modules_work_on_ranks(
     nb: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -114,6 +115,7 @@ def scaled(x):
 '''
 
 
+@pytest.mark.slow
 def test_notebook_functions_and_classes_work_on_ranks(nb: Any) -> None:
     """Notebook functions (chained, decorated, partial, lambda, closure) and classes
     (dataclass, enum, nn.Module, Dataset) run on the ranks with their globals and imports,
@@ -132,6 +134,7 @@ net = Net()
     assert type(value[6]) is Point
 
 
+@pytest.mark.slow
 def test_values_travel_shared_and_large_ones_warn(nb: Any) -> None:
     """Values arrive with their sharing intact; one over ``DistMagics.large_value_mb`` warns
     with its name and size before the launch."""

@@ -7,13 +7,14 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
 from nbdist import events
 
 from . import hostile
-from .conftest import wait_for
+from .helpers import wait_for
 
 
 class Recorder:
@@ -106,7 +107,7 @@ def test_lazy_events_are_coalesced_and_close_sends_them(server: events.EventServ
         metrics: dict[str, object] = {}
         for e in got:
             if e["t"] == "metrics":
-                metrics.update(e["values"])  # type: ignore[arg-type]
+                metrics.update(cast("dict[str, object]", e["values"]))
         return bars, metrics
 
     expected = ({1: 100, 2: 200}, {"loss": 1 / 100, "k0": 99, "k1": 100, "k2": 98})
@@ -363,6 +364,7 @@ def test_a_slowloris_is_cut_at_the_deadline_and_counted(
     wait_for(lambda: server.rejected == 1, 10, "the rejection")
 
 
+@pytest.mark.slow
 def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
     server: events.EventServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -388,6 +390,7 @@ def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
                 sock.close()
 
 
+@pytest.mark.slow
 def test_8000_connections_of_64_kb_do_not_grow_the_kernel(server: events.EventServer) -> None:
     """8000 strangers sending 64 KB each without a newline cost the server little memory; all
     are cut and counted."""

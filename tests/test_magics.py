@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 
 import nbdist
 
-from .conftest import GONE_WITHIN_S, run
+from .helpers import GONE_WITHIN_S, run
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,7 @@ class _World:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pinged", [False, True])
 def test_a_rank_stops_when_its_driver_falls_silent(pinged: bool) -> None:
     """With a heartbeat timeout, a rank whose driver says nothing stops; pings keep it alive."""

@@ -41,7 +41,9 @@ def test_quickstart_trains_on_two_ranks() -> None:
         assert f"[rank {rank}] epoch 0: loss" in train
         assert f"[rank {rank}] held-out accuracy" in train
     assert "{'rank': 0, 'accuracy':" in train
-    accuracy = float(re.search(r"accuracy on 297 held-out digits: ([\d.]+)%", texts[3]).group(1))
+    found = re.search(r"accuracy on 297 held-out digits: ([\d.]+)%", texts[3])
+    assert found is not None, texts[3]
+    accuracy = float(found.group(1))
     assert accuracy > 80
 
 
@@ -74,7 +76,9 @@ def test_keras_notebook_trains_with_mwms_on_two_ranks() -> None:
         assert f"[rank {rank}] held-out accuracy" in train
     summary = texts[3]
     assert "2 workers; accuracy on 297 held-out digits" in summary
-    accuracy = float(re.search(r"held-out digits: ([\d.]+)%", summary).group(1))
+    found = re.search(r"held-out digits: ([\d.]+)%", summary)
+    assert found is not None, summary
+    accuracy = float(found.group(1))
     assert accuracy > 80
     assert "checkpoints: epoch-1.weights.h5" in summary and "epoch-6.weights.h5" in summary
     assert "workertemp" not in summary  # worker 1 wrote to a temporary directory, removed

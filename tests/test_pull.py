@@ -13,7 +13,7 @@ import pytest
 
 from nbdist import session as sessions
 
-from .conftest import run
+from .helpers import run
 
 pytestmark = [pytest.mark.usefixtures("no_session"), pytest.mark.timeout(300)]
 
@@ -65,6 +65,7 @@ def one_rank(ip: Any) -> Iterator[sessions.Session]:
     live.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MAKE))
 def test_pulling_80_mb_arrives_intact_with_the_kernel_s_peak_bounded(
     ip: Any, one_rank: sessions.Session, kind: str

@@ -15,7 +15,7 @@ from nbdist import job as jobs
 from nbdist.errors import ValuesDroppedError
 from nbdist.views import status
 
-from .conftest import run
+from .helpers import run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,6 +31,7 @@ def _rss() -> int:
     return int(psutil.Process(os.getpid()).memory_info().rss)
 
 
+@pytest.mark.slow
 def test_three_200_mb_results_hold_one_copy_within_the_history_budget() -> None:
     """After three jobs returning 200 MB each, the kernel holds one copy of the newest value
     (it held pickle and value of all three, +1.2 GB); the older jobs stay listed, and their

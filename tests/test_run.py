@@ -12,7 +12,7 @@ import pytest
 import nbdist
 from nbdist import state
 
-from .conftest import rank_processes, wait_for
+from .helpers import rank_processes, wait_for
 
 
 def env_of_rank() -> dict[str, str]:
@@ -180,7 +180,7 @@ def test_crash_after_the_result_is_not_a_failure() -> None:
                 self.inner, self.flushes = inner, 0
 
             def write(self, s: str) -> int:
-                return self.inner.write(s)  # type: ignore[attr-defined,no-any-return]
+                return self.inner.write(s)  # type: ignore[attr-defined]
 
             def flush(self) -> None:
                 self.flushes += 1
@@ -194,6 +194,7 @@ def test_crash_after_the_result_is_not_a_failure() -> None:
     assert job.results == [42, 42]
 
 
+@pytest.mark.slow
 def test_timeout_names_the_running_ranks_and_their_last_lines() -> None:
     """--timeout stops a hung job and says which ranks were still running and what they said."""
 
@@ -379,6 +380,7 @@ def fork_again_and_again() -> int:
     return 50
 
 
+@pytest.mark.slow
 def test_forks_while_the_output_is_being_flushed_never_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

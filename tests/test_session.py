@@ -11,7 +11,7 @@ import pytest
 from nbdist import session as sessions
 from nbdist.errors import DistributedError
 
-from .conftest import GONE_WITHIN_S, rank_processes, run
+from .helpers import GONE_WITHIN_S, rank_processes, run
 
 pytestmark = pytest.mark.usefixtures("no_session")
 
@@ -27,6 +27,7 @@ def live(ip: Any) -> Iterator[sessions.Session]:
         live.stop()
 
 
+@pytest.mark.slow
 def test_state_and_process_group_persist_across_cells(ip: Any, live: sessions.Session) -> None:
     """A model and a gloo process group made in one cell are used by the next two."""
     run(ip, "%%distributed\n"
@@ -83,16 +84,17 @@ def test_interrupt_stops_the_cell_not_the_session(ip: Any, live: sessions.Sessio
                    "while True:\n"
                    "    steps += 1\n"
                    "    time.sleep(0.01)")
-    from .conftest import wait_for
+    from .helpers import wait_for
 
     wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
     run(ip, f"%dist_cancel {cell.id}")
     assert cell.done() and cell.error is not None
-    assert cell.error.reason == "cancelled"  # type: ignore[attr-defined]
+    assert cell.error.reason == "cancelled"
     assert live.alive
     assert run(ip, "%%distributed\nsteps > 0") is True
 
 
+@pytest.mark.slow
 def test_rank_that_ignores_the_interrupt_ends_the_session(ip: Any, live: sessions.Session
                                                           ) -> None:
     """A rank that swallows KeyboardInterrupt is torn down within the 10 s bound."""
@@ -103,7 +105,7 @@ def test_rank_that_ignores_the_interrupt_ends_the_session(ip: Any, live: session
                    "        time.sleep(0.01)\n"
                    "    except KeyboardInterrupt:\n"
                    "        pass")
-    from .conftest import wait_for
+    from .helpers import wait_for
 
     wait_for(lambda: cell.state.counts().get("running") == 2, what="both ranks running")
     started = time.monotonic()

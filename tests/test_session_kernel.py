@@ -12,7 +12,7 @@ import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
 
-from .conftest import GONE_WITHIN_S
+from .helpers import GONE_WITHIN_S
 from .test_kernel_live import ROOT, Frontend, execute
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]

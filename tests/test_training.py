@@ -17,6 +17,7 @@ def run(ip: Any, cell: str) -> Any:
     return result.result
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ddp_gloo_training_all_reduces_gradients(ip: Any) -> None:
     """Two ranks train one DDP model on different shards: equal parameters, falling loss."""

@@ -45,6 +45,7 @@ def second_job() -> dict[str, object]:
             "session": os.getsid(0)}
 
 
+@pytest.mark.slow
 def test_ranks_are_forked_from_a_zygote_with_their_modules_and_own_environment() -> None:
     """Each rank is a zygote's fork, in its own session, with torch loaded and its own env."""
     pytest.importorskip("torch")
@@ -61,6 +62,7 @@ def test_ranks_are_forked_from_a_zygote_with_their_modules_and_own_environment()
     assert all(r["threads"] == int(str(r["omp"])) for r in results)
 
 
+@pytest.mark.slow
 def test_a_run_right_after_the_last_finds_its_modules_loaded() -> None:
     """The next run, started the moment the last ended, is forked from the same warm zygote."""
     pytest.importorskip("torch")
@@ -77,6 +79,7 @@ def test_a_run_right_after_the_last_finds_its_modules_loaded() -> None:
     assert all(r["preloaded"] for r in again)
 
 
+@pytest.mark.slow
 def test_user_modules_are_not_preloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A module of the user's (which may be edited before the next run) is never preloaded."""
     pytest.importorskip("torch")
@@ -95,6 +98,7 @@ def test_user_modules_are_not_preloaded(tmp_path: Path, monkeypatch: pytest.Monk
     assert nbdist.run(second_job, np=1).result()["usermod"] is False
 
 
+@pytest.mark.slow
 def test_a_different_environment_gets_its_own_zygote() -> None:
     """A job with other --env values is not forked from a zygote started for another."""
     parent = nbdist.run(first_job, np=1).result()["parent"]
@@ -127,6 +131,7 @@ def test_a_zygote_that_cannot_fork_safely_gives_way_to_fresh_interpreters(
     assert not zygote.safe and "started threads (poller)" in zygote.why
 
 
+@pytest.mark.slow
 def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -144,6 +149,7 @@ def test_without_zygotes_the_next_job_runs_in_warm_interpreters(
     assert all(r["threads"] == int(str(r["omp"])) for r in results)
 
 
+@pytest.mark.slow
 def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatch) -> None:
     """Zygotes and warm interpreters idle longer than the limit are killed; none when disabled."""
     monkeypatch.setattr(local, "WARM_IDLE_S", 3.0)
@@ -189,6 +195,7 @@ def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatc
     assert local.pool.wait_ready(timeout=5) and not local.pool.pids()
 
 
+@pytest.mark.slow
 def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
     """A driver killed with SIGKILL takes its zygote and its running ranks with it."""
     code = textwrap.dedent(f"""
@@ -227,6 +234,7 @@ def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
     assert not alive
 
 
+@pytest.mark.slow
 def test_an_install_between_runs_gets_a_new_zygote(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -260,6 +268,7 @@ def draws() -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
 def test_forked_ranks_draw_different_random_numbers_unless_seeded(
     zygote: bool, monkeypatch: pytest.MonkeyPatch
@@ -308,6 +317,7 @@ print(json.dumps({"before": before, "after": after, "kernel": attributes(),
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zygote", ["1", "0"], ids=["zygote", "NBDIST_ZYGOTE=0"])
 def test_ranks_get_the_kernels_umask_affinity_nice_and_limits_at_launch(zygote: str) -> None:
     """After the kernel changed its umask, affinity, nice and a limit, a rank has the new ones."""
@@ -335,6 +345,7 @@ def blas_threads() -> dict[str, object]:
             "blas": [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
 def test_blas_thread_pools_follow_omp_num_threads(
     zygote: bool, monkeypatch: pytest.MonkeyPatch
@@ -372,6 +383,7 @@ def _value_of(module: str) -> Callable[[], dict[str, object]]:
     return value
 
 
+@pytest.mark.slow
 def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -391,6 +403,7 @@ def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
         shutil.rmtree(folder)
 
 
+@pytest.mark.slow
 def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
     tmp_path: Path,
 ) -> None:
@@ -411,6 +424,7 @@ def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
         link.unlink()
 
 
+@pytest.mark.slow
 def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
     """An installed module the zygote preloaded, edited in place: the next run has the edit."""
     pytest.importorskip("torch")

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import wait_for
+from ..helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"

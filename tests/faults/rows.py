@@ -26,7 +26,7 @@ from nbdist.job import Job, choose_launcher
 from nbdist.launch import Launcher, LaunchRequest
 from nbdist.rank import RankOutcome
 
-from ..conftest import GONE_WITHIN_S, wait_for
+from ..helpers import GONE_WITHIN_S, wait_for
 
 
 class Target(NamedTuple):
@@ -286,11 +286,8 @@ class Misdirected:
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
         self.name = launcher.name
+        self.remote = launcher.remote
         self.port = events.free_port("127.0.0.1")  # free: nothing listens on it
-
-    @property
-    def remote(self) -> bool:
-        return self.launcher.remote
 
     def driver_address(self) -> events.DriverAddress:
         return self.launcher.driver_address()

@@ -22,7 +22,7 @@ import nbdist
 from nbdist import job as jobs
 from nbdist import state
 
-from ..conftest import GONE_WITHIN_S, is_rank, wait_for
+from ..helpers import GONE_WITHIN_S, is_rank, wait_for
 from ..sparks import marked_rank_processes, spark_job_ids
 from . import rows
 

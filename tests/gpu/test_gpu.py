@@ -21,7 +21,7 @@ from nbdist import session as sessions
 from nbdist.launch import local
 from nbdist.launch.zygote import COMMAND
 
-from ..conftest import run
+from ..helpers import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(300)]
 

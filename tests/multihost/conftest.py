@@ -22,18 +22,15 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from ..conftest import GONE_WITHIN_S, none_left
 from ..sparks import MARK, Cluster
+from .helpers import WORKERS, ranks_gone
 from .hosts import Network, missing
 from .kernel import Kernel
 
 #: The simulated machines, in address order (10.231.13.2, .3, ...).
 HOSTS = ("driver", "master", "wa", "wb", "wc", "nat")
-#: The workers: two task slots and two fake GPUs each.
-WORKERS = ("wa", "wb", "wc")
 CORES = 2
 GPUS = ["0", "1"]
 #: Executors register a while after a worker joins, and again after one was killed.
@@ -139,28 +136,6 @@ def driver(
         yield kernel
     finally:
         kernel.shutdown()
-
-
-def rank_processes(network: Network, hosts: tuple[str, ...] = WORKERS) -> list[psutil.Process]:
-    """Rank interpreters (and what they started) on the given hosts."""
-    found = []
-    for host in hosts:
-        for proc in network.processes(host):
-            try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                if any("nbdist.runtime" in " ".join(p.cmdline()) for p in (proc, *proc.parents())):
-                    found.append(proc)
-            except psutil.Error:
-                pass
-    return found
-
-
-def ranks_gone(network: Network, within: float = GONE_WITHIN_S,
-               hosts: tuple[str, ...] = WORKERS) -> None:
-    """Every rank process on ``hosts`` is gone within ``within`` seconds (else kill, fail)."""
-    none_left(lambda: rank_processes(network, hosts), within,
-              f"rank processes left running on {', '.join(hosts)}")
 
 
 @pytest.fixture

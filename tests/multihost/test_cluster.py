@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import WORKERS, rank_processes, ranks_gone
+from .helpers import WORKERS, rank_processes, ranks_gone
 from .hosts import Network
 from .kernel import Kernel, Reply
 

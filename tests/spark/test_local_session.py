@@ -19,7 +19,7 @@ import nbdist
 from nbdist import job as jobs
 from nbdist import state
 
-from ..conftest import GONE_WITHIN_S, wait_for
+from ..helpers import GONE_WITHIN_S, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -10,7 +10,7 @@ from pyspark.sql import SparkSession
 
 from nbdist import session as sessions
 
-from ..conftest import run
+from ..helpers import run
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.usefixtures("no_session")]

@@ -17,7 +17,7 @@ from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.errors import DistributedError
 
-from ..conftest import GONE_WITHIN_S, run, wait_for
+from ..helpers import GONE_WITHIN_S, run, wait_for
 from ..sparks import marked_rank_processes
 from .test_local_session import OtherSparkJob
 
@@ -120,7 +120,7 @@ def test_killed_kernel_takes_its_spark_session_ranks_along(spark_mark: str) -> N
 def test_interrupt_keeps_the_spark_session(ip: Any, spark_session_ranks: sessions.Session
                                            ) -> None:
     """%dist_cancel interrupts a cell in the Spark tasks' ranks; the next cell sees its state."""
-    from ..conftest import wait_for
+    from ..helpers import wait_for
 
     run(ip, "%%distributed\nticks = 0")
     cell = run(ip, "%%distributed --bg --quiet\n"

@@ -1,0 +1,121 @@
+"""The text views: the rank-labelled text view, %dist_status's reports (text and HTML), and
+silent ranks as the panel, the text view and %dist_status show them."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+from nbdist import state
+from nbdist.views import status
+from nbdist.views.text import TextView
+from nbdist.views.widget import Panel
+
+from .helpers import out, running_job
+
+
+def test_text_view_prints_lines_progress_and_a_summary() -> None:
+    """The text view labels lines by rank, prints progress as a line, and ends with a summary."""
+    job = running_job()
+    buf = io.StringIO()
+    view = TextView(job, buf)
+    job.apply(1, out("hello from one\n"))
+    job.apply(0, {"t": "progress", "id": 1, "n": 2, "total": 8, "desc": "train"})
+    view.update()
+    job.set_rank(0, state.DONE, 0)
+    job.set_rank(1, state.FAILED, 3)
+    job.finish(state.FAILED, "rank 1 failed")
+    view.close()
+    text = buf.getvalue()
+    assert "[rank 1] hello from one" in text and "[rank 0] train: 2/8" in text
+    assert text.rstrip().endswith("failed ranks: 1")
+
+
+def test_status_reports_render_as_text_and_html() -> None:
+    """%dist_status's reports have a plain-text form and an escaped HTML form."""
+    from nbdist.launch import Capacity
+
+    job = running_job()
+    job.apply(1, out("<script>x</script>\n"))
+    report = status.JobsReport([job], [("local", Capacity(2, 0, "this machine"))], rejected=3)
+    text = repr(report)
+    assert "j77" in text and "capacity (local): 2 ranks at once, 0 GPUs" in text
+    assert "3 connections rejected" in text and "result ready" in text
+    assert "<table" in report._repr_html_() and "j77" in report._repr_html_()
+    ranks = status.RanksReport(job)
+    assert "1001" in repr(ranks) and "<script>" in repr(ranks)
+    assert "<script>" not in ranks._repr_html_() and "&lt;script&gt;" in ranks._repr_html_()
+
+
+def _html_rows(markup: str) -> list[dict[str, str]]:
+    """The rows of the first HTML table in ``markup``, as {column header: cell text}."""
+    from html.parser import HTMLParser
+
+    class Table(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[list[str]] = []
+            self.cell: list[str] | None = None
+
+        def handle_starttag(self, tag: str, attrs: Any) -> None:
+            if tag == "tr":
+                self.rows.append([])
+            elif tag in ("td", "th"):
+                self.cell = []
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag in ("td", "th") and self.cell is not None:
+                self.rows[-1].append("".join(self.cell))
+                self.cell = None
+
+        def handle_data(self, data: str) -> None:
+            if self.cell is not None:
+                self.cell.append(data)
+
+    table = Table()
+    table.feed(markup)
+    header, *rows = table.rows
+    return [dict(zip(header, row, strict=True)) for row in rows]
+
+
+def test_rank_details_as_html_put_each_value_in_its_own_column() -> None:
+    """%dist_status JOB as HTML: progress under "progress", log lines under "last lines"."""
+    job = running_job()
+    job.apply(1, {"t": "progress", "id": 1, "n": 3, "total": 8, "desc": "train"})
+    job.apply(1, out("first line\nsecond line\n"))
+    rows = _html_rows(status.RanksReport(job)._repr_html_())
+    assert [row["rank"] for row in rows] == ["0", "1"]
+    assert rows[1]["state"] == "running" and rows[1]["host"] == "node-a"
+    assert rows[1]["pid"] == "1001" and rows[1]["gpu"] == "-"
+    assert rows[1]["progress"] == "train: 3/8"
+    assert rows[1]["last lines"] == "first line\nsecond line"
+    assert rows[0]["progress"] == "" and rows[0]["last lines"] == ""
+
+
+def test_silent_ranks_show_in_the_panel_the_text_view_and_status() -> None:
+    """A running rank not heard of for three heartbeats is flagged everywhere, until it talks."""
+    job = running_job(3)
+    panel = Panel(job)
+    buf = io.StringIO()
+    view = TextView(job, buf)
+    view.update()
+    assert "silent" not in panel.rows[1].label.value
+    job.ranks[1].last_seen = time.time() - state.SILENT_AFTER_S - 1  # as if time had passed
+    panel.render()  # no event came: the silence alone re-renders the row
+    assert "silent" in panel.rows[1].label.value and "silent since" in panel.rows[1].info.value
+    assert "silent" not in panel.rows[0].label.value and "1 silent: 1" in panel.header.value
+    view.update()
+    assert "[rank 1] silent since" in buf.getvalue()
+    jobs_text = repr(status.JobsReport([job], []))
+    assert "running (1 silent)" in jobs_text
+    ranks = status.RanksReport(job)
+    row = next(line for line in repr(ranks).splitlines() if line.startswith("1 "))
+    assert row.split()[1] == "silent" and "silent ranks: 1: nothing heard" in repr(ranks)
+    assert "%dist_cancel j77" in repr(ranks) and "silent ranks: 1" in ranks._repr_html_()
+    job.apply(1, {"t": "hb"})
+    panel.render()
+    view.update()
+    assert "silent" not in panel.rows[1].label.value
+    assert "[rank 1] heard from again" in buf.getvalue()
+    assert "silent" not in repr(status.RanksReport(job))
