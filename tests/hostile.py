@@ -139,11 +139,18 @@ class more_files:
 
 class IdleStrangers:
     """``n`` connections to ``address`` that never say hello, held while the block runs: one
-    the server cuts is replaced (at most ``n * 20`` connections and ``limit_s`` in all)."""
+    the server cuts is replaced at the next round (every ``ROUND_S``, for ``limit_s`` at most).
 
-    def __init__(self, address: tuple[str, int], n: int, limit_s: float = 120) -> None:
+    ``held`` is how many were open at the end of the last round, once the cut ones had been
+    replaced: a figure that does not depend on when it is read (a count read mid-round, or a cap
+    on the connections made that a slow job exhausts, would race the server's deadline).
+    """
+
+    ROUND_S = 0.25
+
+    def __init__(self, address: tuple[str, int], n: int, limit_s: float = 300) -> None:
         self.address, self.n, self.limit_s = address, n, limit_s
-        self.opened = self.cut = 0
+        self.opened = self.cut = self.held = 0
         self._stop = threading.Event()
         self._sel = selectors.DefaultSelector()
         self._files = more_files(2 * n + 600)  # ours and the server's ends, in this process
@@ -161,13 +168,14 @@ class IdleStrangers:
         self._files.__enter__()
         for _ in range(self.n):
             self._open()
+        self.held = len(self._sel.get_map())
         self._thread = threading.Thread(target=self._keep, daemon=True)
         self._thread.start()
         return self
 
     def _keep(self) -> None:
         deadline = time.monotonic() + self.limit_s
-        while not self._stop.wait(0.05) and time.monotonic() < deadline:
+        while not self._stop.wait(self.ROUND_S) and time.monotonic() < deadline:
             for key, _ in self._sel.select(0):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
@@ -181,8 +189,9 @@ class IdleStrangers:
                 self._sel.unregister(sock)
                 sock.close()
                 self.cut += 1
-            while len(self._sel.get_map()) < self.n and self.opened < self.n * 20:
-                self._open()
+            for _ in range(self.n - len(self._sel.get_map())):
+                self._open()  # a full backlog fails it: the next round tries again
+            self.held = len(self._sel.get_map())
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()

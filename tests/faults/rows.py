@@ -411,7 +411,7 @@ def a_job_among_idle_strangers(target: Target, tmp_path: Path) -> None:
     before = server.rejected
     with hostile.IdleStrangers(server.address, 1000) as strangers:
         streams_live(target, tmp_path, "among-strangers")
-        held = len(strangers._sel.get_map())
+        held = strangers.held
         # Each one is cut within AUTH_DEADLINE_S of connecting (or earlier, for a newer one).
         wait_for(lambda: strangers.cut >= 1000, 60, "the server cutting the strangers")
     assert held > 900, f"only {held} strangers were connected when the job ended"
