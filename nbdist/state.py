@@ -14,22 +14,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from nbdist.protocol import HEARTBEAT_S as HEARTBEAT_S
+from nbdist.protocol import SILENT_AFTER_S as SILENT_AFTER_S
+from nbdist.protocol import RankStatus
+
 LOG_LINES = 1000
 MERGED_LINES = 5000
 MAX_PARTIAL = 64 * 1024
-#: A running rank's supervisor says it is alive this often (``nbdist.rank`` sends at this pace),
-#: even when the rank itself is quiet.
-HEARTBEAT_S = 5.0
-#: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:
-#: its supervisor, its host or the network to the driver is stuck or gone.
-SILENT_AFTER_S = 3 * HEARTBEAT_S
 
-#: Rank and job states, in the order a rank goes through them.
-PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (
-    "pending", "starting", "running", "done", "failed", "cancelled"
-)
+#: Rank and job statuses, in the order a rank goes through them (``protocol.RankStatus``).
+PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (s.value for s in RankStatus)
 FINAL = frozenset({DONE, FAILED, CANCELLED})
-_ORDER = {PENDING: 0, STARTING: 1, RUNNING: 2, DONE: 3, FAILED: 3, CANCELLED: 3}
+_ORDER = {s.value: s.order for s in RankStatus}
 
 
 class Line(NamedTuple):
