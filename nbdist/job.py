@@ -19,9 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-import cloudpickle
-
-from nbdist import events, launch, state
+from nbdist import _pickling, events, launch, state
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.rank import RankOutcome
@@ -289,7 +287,7 @@ class Job:
         self._heartbeat = launch.heartbeat_timeout() if launcher.remote else None
 
         launcher.check(np, self.gpu)
-        body = b"" if session else cloudpickle.dumps(payload)
+        body = b"" if session else _pickling.dumps(payload)
         self.address = launcher.driver_address()
         self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
@@ -521,7 +519,7 @@ class Job:
 
     def _load(self, outcome: RankOutcome) -> Any:
         try:
-            return pickle.loads(outcome.result or cloudpickle.dumps(None))
+            return pickle.loads(outcome.result or pickle.dumps(None))
         except Exception as exc:
             raise DistributedError(
                 f"rank {outcome.rank}'s result (a {outcome.result_type}) cannot be unpickled "

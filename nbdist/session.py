@@ -30,9 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-
-from nbdist import events, state, values
+from nbdist import _pickling, events, state, values
 from nbdist.errors import DistributedError, NbdistError
 from nbdist.job import (
     Job,
@@ -180,7 +178,7 @@ class Session(Job):
                 self._idle_timer.cancel()
             self.warning = ""
         register(cell)
-        body = base64.b64encode(cloudpickle.dumps(
+        body = base64.b64encode(_pickling.dumps(
             {**payload, "session": True, "keep": True, "cell": self._cell_ids}))
         message = {"t": "cell", "id": self._cell_ids, "payload": body.decode()}
         for rank in range(self.np):

@@ -42,13 +42,13 @@ class SignatureError(ValueError):
 
 def dumps(value: Any) -> list[memoryview]:
     """The value's segments: its large buffers out of band, then the pickle stream."""
-    import cloudpickle
+    from nbdist._pickling import Pickler as Base
 
     torch = sys.modules.get("torch")  # only if the rank's code imported it
     arrays: dict[tuple[int, str], Any] = {}  # a storage's flat array: tensors sharing it share it
 
     # cloudpickle has no type information: its Pickler is Any to mypy.
-    class Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    class Pickler(Base):
         def reducer_override(self, obj: Any) -> Any:
             if torch is not None and type(obj) is torch.Tensor:
                 flat = _flat_array(torch, obj, arrays)

@@ -153,3 +153,20 @@ def test_tensors_round_trip_with_their_sharing_and_grad() -> None:
     assert got["tied"] is got["w"]
     got["flat"][0] = 99
     assert got["square"][0, 0] == 99  # still one storage
+
+
+def test_shipped_code_keeps_its_filename() -> None:
+    """Code nbdist pickles keeps its file name (cloudpickle >= 3.1.3 writes "<dynamic-code>"),
+    so a rank's traceback names the user's file and line."""
+    import pickle
+
+    from nbdist import _pickling
+
+    def where() -> str:
+        return "here"
+
+    back = pickle.loads(_pickling.dumps(where))
+    assert back() == "here"
+    assert back.__code__.co_filename == __file__
+    segments = values.dumps(where)
+    assert pickle.loads(segments[-1]).__code__.co_filename == __file__

@@ -24,9 +24,8 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
-
 from nbdist import runtime
+from nbdist._pickling import Pickler
 from nbdist.capture._refusals import Refused, kind_of, refusal, rule_for, type_name, unpicklable
 from nbdist.capture._scope import Need
 from nbdist.capture._syntax import Lines
@@ -175,7 +174,7 @@ class _NamespaceMarker(dict[str, Any]):
     the cell runs in (so notebook functions see what the cell assigns, as in the notebook)."""
 
 
-class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+class _Pickler(Pickler):
     def __init__(self, file: io.BytesIO, user_ns: Mapping[str, Any]) -> None:
         super().__init__(file)
         self.globals_ref[id(user_ns)] = _NamespaceMarker()
