@@ -116,6 +116,10 @@ class _Bar:
         self.id = _Bar._ids
         self.total, self.desc = total, desc
         self.n = 0
+        # The numbers of tqdm's postfix (``set_postfix``), charted with ``n`` as their step.
+        # Sent with every update, not only when they change: the client's coalescing replaces
+        # a bar's queued update with its newest, which would drop a postfix sent only once.
+        self.postfix: dict[str, float] | None = None
         self.start = time.monotonic()
         self._last = 0.0
         self._sent: int | None = None
@@ -142,9 +146,10 @@ class _Bar:
             self._last, self._sent = now, self.n
             elapsed = now - self.start
             rate = self.n / elapsed if elapsed > 0 else None
+            extra = {"postfix": self.postfix} if self.postfix else {}
             _channel.event(
                 t="progress", id=self.id, n=self.n, total=self.total, desc=self.desc,
-                rate=rate, elapsed=elapsed,
+                rate=rate, elapsed=elapsed, **extra,
             )
 
     @staticmethod
@@ -177,16 +182,49 @@ def progress(
     bar.update(n, force=True)
 
 
-def report(**metrics: Any) -> None:
-    """Show the latest values of ``metrics`` (e.g. ``loss=0.3``) for this rank in the panel.
+_reports = 0  # calls of report() on this rank: the step its values are charted at
 
-    Values are sent as JSON (numbers, strings); other objects are shown by their ``str``.
+
+def report(**metrics: Any) -> None:
+    """Show the latest values of ``metrics`` (e.g. ``loss=0.3``) for this rank in the panel,
+    and chart the numbers among them (the x axis counts this rank's calls of ``report``).
+
+    Values are sent as JSON (numbers, strings); an object that converts to a number (a numpy
+    scalar, a one-element tensor) is sent as that number, other objects by their ``str``.
     Outside a rank this does nothing.
     """
+    global _reports
     if _channel is not None:
-        clean = {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
-                 for k, v in metrics.items()}
-        _channel.event(t="metrics", values=clean)
+        _reports += 1
+        clean = {k: _json_value(v) for k, v in metrics.items()}
+        _channel.event(t="metrics", values=clean, step=_reports)
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if hasattr(v, "__float__"):
+        try:
+            return float(v)
+        except (TypeError, ValueError, RuntimeError):  # a tensor of many elements, say
+            pass
+    return str(v)
+
+
+def _postfix_numbers(postfix: Any) -> dict[str, float] | None:
+    """The numbers in tqdm's postfix text (``"loss=0.693, acc=0.51"``, how ``set_postfix``
+    writes it), or None. Lightning's ``v_num`` (the logger's version) is not a metric."""
+    if not postfix or not isinstance(postfix, str):
+        return None
+    numbers = {}
+    for part in postfix.split(", "):
+        name, eq, text = part.partition("=")
+        if eq and name.strip() and name.strip() != "v_num":
+            try:
+                numbers[name.strip()] = float(text.strip())
+            except ValueError:
+                continue  # a word, not a number: shown by nothing but the bar itself
+    return numbers or None
 
 
 def _bridge_tqdm() -> None:
@@ -209,6 +247,7 @@ def _bridge_tqdm() -> None:
         if bar is None:
             bar = self._nbdist_bar = _Bar(self.total, self.desc or None)
         bar.total, bar.desc = self.total, self.desc or None  # set_description may change it
+        bar.postfix = _postfix_numbers(self.postfix)
         bar.update(int(self.n), force=bool(getattr(self, "_closing", 0)))
         return True
 
