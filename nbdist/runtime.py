@@ -120,11 +120,14 @@ class _Bar:
         # Sent with every update, not only when they change: the client's coalescing replaces
         # a bar's queued update with its newest, which would drop a postfix sent only once.
         self.postfix: dict[str, float] | None = None
+        self._steps_before = 0  # counts before the bar was last reset: the postfix's step
         self.start = time.monotonic()
         self._last = 0.0
         self._sent: int | None = None
 
     def update(self, n: int, *, force: bool = False) -> None:
+        if n < self.n:  # reset (tqdm's reset, a new epoch's count): steps go on from here
+            self._steps_before += self.n
         self.n = n
         if _channel is None:
             return
@@ -146,7 +149,9 @@ class _Bar:
             self._last, self._sent = now, self.n
             elapsed = now - self.start
             rate = self.n / elapsed if elapsed > 0 else None
-            extra = {"postfix": self.postfix} if self.postfix else {}
+            extra: dict[str, Any] = {}
+            if self.postfix:
+                extra = {"postfix": self.postfix, "step": self._steps_before + self.n}
             _channel.event(
                 t="progress", id=self.id, n=self.n, total=self.total, desc=self.desc,
                 rate=rate, elapsed=elapsed, **extra,

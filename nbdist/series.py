@@ -226,6 +226,12 @@ class MetricSeries:
             if s is not None:
                 yield rank, s
 
+    def points(self, name: str, rank: int) -> list[Point]:
+        """The points of ``name`` kept for ``rank`` ([] if it reported none)."""
+        ranks = self.series.get(name)
+        s = ranks[rank] if ranks is not None and 0 <= rank < self.np else None
+        return s.points() if s is not None else []
+
     def latest(self, name: str) -> list[float]:
         """Each rank's newest value of ``name`` (NaN where a rank has not reported it)."""
         return list(self._latest.get(name, ()))

@@ -124,7 +124,8 @@ class JobState:
                 postfix = event.get("postfix")  # tqdm's set_postfix: metrics at step n
                 if isinstance(postfix, dict):
                     r.metrics.update(postfix)
-                    self.series.add(rank, postfix, event.get("n"), r.last_seen)
+                    step = event.get("step", event.get("n"))  # n, counted on across resets
+                    self.series.add(rank, postfix, step, r.last_seen)
             elif kind == "metrics":
                 values = event.get("values")
                 if isinstance(values, dict):

@@ -275,9 +275,9 @@ class ChartsView:
             series.flush(time.time())
         self._version = series.version
         value = charts_html(series)
-        self._next = now + max(CHART_EVERY_S, len(value) / BYTES_PER_S)
         if value == self.widget.value:
             return 0
+        self._next = now + max(CHART_EVERY_S, len(value) / BYTES_PER_S)
         self.widget.value = value
         self.redraws += 1
         self.bytes_sent += len(value)
