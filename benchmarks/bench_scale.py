@@ -5,11 +5,12 @@ process: cheap ranks (no rank processes), but each talks through the supervisor'
 :class:`nbdist.events.EventClient`, coalescing included. Each sends ``--rate`` events per second
 (an output batch, a progress update and a metrics update in turn, a heartbeat every
 ``HEARTBEAT_S``, and a resources sample every ``resources.SAMPLE_S`` as a supervisor sends,
-unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only the server
-and a real ``JobState``: CPU time per second of wall time (as % of one core), against the same
-process idle for the same time (the baseline), and resident memory per rank, during the run and
-once every rank's log ring is full. The newest progress and metrics of every rank must be in
-the state at the end (coalescing may only skip superseded updates), and no event lost.
+unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only
+the server and a real ``JobState``: CPU time per second of wall time (as % of one core),
+against the same process idle for the same time (the baseline), and resident memory per rank,
+during the run and once every rank's log ring is full. The newest progress and metrics of
+every rank must be in the state at the end (coalescing may only skip superseded updates), and
+no event lost.
 
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256] [--rate 10] [--seconds 20]
 """
