@@ -4,11 +4,13 @@
 process: cheap ranks (no rank processes), but each talks through the supervisor's own
 :class:`nbdist.events.EventClient`, coalescing included. Each sends ``--rate`` events per second
 (an output batch, a progress update and a metrics update in turn, a heartbeat every
-``HEARTBEAT_S``) for ``--seconds``. Measured in the driver process, which runs only the server
-and a real ``JobState``: CPU time per second of wall time (as % of one core), against the same
-process idle for the same time (the baseline), and resident memory per rank, during the run and
-once every rank's log ring is full. The newest progress and metrics of every rank must be in
-the state at the end (coalescing may only skip superseded updates), and no event lost.
+``HEARTBEAT_S``, and a resources sample every ``resources.SAMPLE_S`` as a supervisor sends,
+unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only
+the server and a real ``JobState``: CPU time per second of wall time (as % of one core),
+against the same process idle for the same time (the baseline), and resident memory per rank,
+during the run and once every rank's log ring is full. The newest progress and metrics of
+every rank must be in the state at the end (coalescing may only skip superseded updates), and
+no event lost.
 
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256] [--rate 10] [--seconds 20]
 """
@@ -36,9 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = textwrap.dedent("""
     import json, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
-    from nbdist import events, rank
-    host, port, job, secret, ranks, rate, seconds = sys.argv[1:8]
+    from nbdist import events, rank, resources
+    host, port, job, secret, ranks, rate, seconds, with_res = sys.argv[1:9]
     ranks, rate, seconds = int(ranks), float(rate), float(seconds)
+    sample = max(1, round(resources.SAMPLE_S * rate)) if with_res == "1" else 0
+    res = {"t": "res", "cpu": 187.5, "rss": 1234567890}
     # The supervisor's own client, with its coalescing: each simulated rank is one EventClient,
     # connecting at the same time as the others, as the ranks of a job do.
     def connect(r):
@@ -60,6 +64,8 @@ CLIENTS = textwrap.dedent("""
             # Heartbeats replace one tick's event, spread over the ranks, so the rate holds.
             event = {"t": "hb"} if (i + r) % beat == 0 else kinds[i % 3](i)
             c.send(event)
+            if sample and (i + r) % sample == 0:  # besides the tick's event, as a sampler does
+                c.send(res)
             if event["t"] in ("progress", "metrics"):
                 last[r][event["t"]] = i
         sent += len(clients)
@@ -126,6 +132,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=10.0, help="events per second per rank")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="5 seconds")
+    parser.add_argument("--no-resources", action="store_true",
+                        help="no resources samples (``res`` events), for comparison")
     args = parser.parse_args()
     seconds = 5.0 if args.quick else args.seconds
     me = psutil.Process()
@@ -142,7 +150,7 @@ def main() -> int:
 
     clients = subprocess.Popen(
         [sys.executable, "-c", CLIENTS, *map(str, server.address), "bench", secret,
-         str(args.ranks), str(args.rate), str(seconds)],
+         str(args.ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1"],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     assert clients.stdout is not None
@@ -167,6 +175,7 @@ def main() -> int:
     sent = report["sent"]
     result = {
         "ranks": args.ranks, "events_per_rank_per_s": args.rate, "seconds": seconds,
+        "resources_samples": not args.no_resources,
         "events_sent": sent, "events_delivered": channel.received,
         "events_lost": report["dropped"], "ranks_with_stale_values": len(stale),
         "driver_cpu_pct_of_one_core": round(busy_pct, 2),

@@ -389,10 +389,17 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     if payload.get("returns_last") and tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body[-1].value)
         tree.body.pop()
+    _mark("imports")
     exec(compile(tree, filename, "exec", flags=flags, dont_inherit=True), ns)
     if last is None:
         return None
     return eval(compile(last, filename, "eval", flags=flags, dont_inherit=True), ns)
+
+
+def _mark(name: str) -> None:
+    """Stamp a moment of the launch timeline (``nbdist.timeline``) for the supervisor."""
+    if _channel is not None:
+        _channel.event(t="marks", at={name: time.time()})
 
 
 def _run_script(payload: dict[str, Any]) -> Any:
@@ -765,8 +772,11 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             _interruptible.set()
             try:
                 _cells.start(payload.get("cell"))
+                if payload["kind"] != "cell":  # a cell marks it after its imports
+                    _mark("imports")
                 value = _RUNNERS[payload["kind"]](payload)
             finally:
+                _mark("end")
                 _interruptible.clear()
                 _cells.end()
         except BaseException as exc:
@@ -1055,7 +1065,7 @@ def main(guard: bool = True) -> None:
     pacer = _Pacer()
     pacer.install()
     _guard_forks(pacer)
-    chan.event(t="state", state="ready", pid=os.getpid())
+    chan.event(t="state", state="ready", pid=os.getpid(), at=time.time())
     code = 0
     try:
         _serve(inbox, chan)
