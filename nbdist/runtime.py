@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from nbdist import _children, values  # standard library only
+from nbdist import _children, _logcarry, values  # standard library only
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -369,6 +369,7 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     ns = _namespace(payload)
     _children.enter(ns)
+    _logcarry.apply(payload.get("logging"))
     for name, module, attr in payload.get("imports", ()):
         what = f"from {module} import {attr}" if attr else f"import {module}"
         mod = _import(module, what, name)
