@@ -79,7 +79,7 @@ def install() -> None:
         # (copyreg's dispatch table never sees them). Set on the class, so that every user
         # of it gets the rule: multiprocessing's queues and connections, torch's
         # multiprocessing, concurrent.futures (they keep a reference to this very class).
-        ForkingPickler.reducer_override = _reducer_override
+        ForkingPickler.reducer_override = _reducer_override  # type: ignore[method-assign]
         _installed = True
 
 

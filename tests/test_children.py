@@ -223,7 +223,7 @@ def test_lightning_ddp_notebook_is_refused_before_launch(ip: Any, strategy: str)
                 f"trainer = L.Trainer(accelerator='cpu', devices=2, strategy={strategy!r})\n")
     text = str(err.value)
     plain = strategy.replace("_notebook", "").replace("_fork", "")
-    assert f"line 3: `trainer = L.Trainer(" in text, text
+    assert "line 3: `trainer = L.Trainer(" in text, text
     assert f"use strategy={plain!r}" in text and "EADDRINUSE" in text, text
 
 
