@@ -413,6 +413,7 @@ def _run_script(payload: dict[str, Any]) -> Any:
 
 def _run_call(payload: dict[str, Any]) -> Any:
     fn: Callable[..., Any] = payload["fn"]
+    _children.install()  # a script's functions (its __main__'s) reach the rank's children too
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 

@@ -94,6 +94,24 @@ def test_plain_pickle_of_a_lambda_on_a_rank_gets_a_hint(ip: Any) -> None:
     assert "nbdist hint: Plain pickle" in text and "cloudpickle.dumps" in text, text
 
 
+@pytest.mark.timeout(120)
+def test_a_function_of_a_script_s_main_given_to_nbdist_run_reaches_spawn_children() -> None:
+    """nbdist.run(fn) from a script: fn's own lambdas and functions reach a spawn Pool."""
+    import nbdist
+
+    script: dict[str, Any] = {"__name__": "__main__"}  # what a script's functions have
+    exec(textwrap.dedent("""\
+        def double(i):
+            return 2 * i
+
+        def work():
+            import multiprocessing
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                return pool.map(double, range(3)), pool.map(lambda i: i + 1, range(3))
+        """), script)
+    assert nbdist.run(script["work"], np=1).result(timeout=100) == ([0, 2, 4], [1, 2, 3])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_script_s_children_import_the_script_again_as_under_torchrun(
