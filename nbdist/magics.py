@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import events, launch
+from nbdist import _logcarry, events, launch
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -283,6 +283,7 @@ class DistMagics(Magics):
             if opts.show_source or opts.export:
                 return None
             payload = captured.payload()
+            payload["logging"] = _logcarry.snapshot()  # as the environment is carried
         return self._run(payload, opts, returns=cell is not None and payload["returns_last"],
                          on=on)
 

@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from nbdist import values  # standard library only
+from nbdist import _children, _logcarry, values  # standard library only
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -339,12 +339,13 @@ def _import(module: str, what: str, name: str) -> Any:
 
 
 #: The namespace of a persistent session's cells: one per rank interpreter, kept between cells
-#: as a kernel keeps ``user_ns``. A one-off job's cell gets a fresh one.
-_session_ns: dict[str, Any] = {}
+#: as a kernel keeps ``user_ns``. A one-off job's cell gets a fresh one. Each is the dict of a
+#: module ``__main__`` (``_children``: what spawned children of the rank need).
+_session_ns: dict[str, Any] = _children.namespace(keep=True)
 
 
 def _namespace(payload: dict[str, Any]) -> dict[str, Any]:
-    ns = _session_ns if payload.get("session") else {}
+    ns = _session_ns if payload.get("session") else _children.namespace()
     if "__builtins__" not in ns:
         ns.update({"__name__": "__main__", "__builtins__": builtins})
         shell = _RankShell(ns)
@@ -367,6 +368,8 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     lines = ["\n"] * offset + source.splitlines(True)
     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     ns = _namespace(payload)
+    _children.enter(ns)
+    _logcarry.apply(payload.get("logging"))
     for name, module, attr in payload.get("imports", ()):
         what = f"from {module} import {attr}" if attr else f"import {module}"
         mod = _import(module, what, name)
@@ -417,6 +420,7 @@ def _run_script(payload: dict[str, Any]) -> Any:
 
 def _run_call(payload: dict[str, Any]) -> Any:
     fn: Callable[..., Any] = payload["fn"]
+    _children.install()  # a script's functions (its __main__'s) reach the rank's children too
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 
