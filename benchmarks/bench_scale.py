@@ -4,11 +4,13 @@
 process: cheap ranks (no rank processes), but each talks through the supervisor's own
 :class:`nbdist.events.EventClient`, coalescing included. Each sends ``--rate`` events per second
 (an output batch, a progress update and a metrics update in turn, a heartbeat every
-``HEARTBEAT_S``) for ``--seconds``. Measured in the driver process, which runs only the server
-and a real ``JobState``: CPU time per second of wall time (as % of one core), against the same
-process idle for the same time (the baseline), and resident memory per rank, during the run and
-once every rank's log ring is full. The newest progress and metrics of every rank must be in
-the state at the end (coalescing may only skip superseded updates), and no event lost.
+``HEARTBEAT_S``, and a resources sample every ``resources.SAMPLE_S`` as a supervisor sends,
+unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only
+the server and a real ``JobState``: CPU time per second of wall time (as % of one core),
+against the same process idle for the same time (the baseline), and resident memory per rank,
+during the run and once every rank's log ring is full. The newest progress and metrics of
+every rank must be in the state at the end (coalescing may only skip superseded updates), and
+no event lost.
 
 With ``--metrics N`` (issue 16) every event a rank sends is a report of N metrics instead
 (heartbeats apart), and ``--charts`` renders the panel's charts in the driver from the job's
@@ -42,9 +44,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = textwrap.dedent("""
     import json, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
-    from nbdist import events, rank
-    host, port, job, secret, ranks, rate, seconds, metrics = sys.argv[1:9]
+    from nbdist import events, rank, resources
+    host, port, job, secret, ranks, rate, seconds, with_res, metrics = sys.argv[1:10]
     ranks, rate, seconds, metrics = int(ranks), float(rate), float(seconds), int(metrics)
+    sample = max(1, round(resources.SAMPLE_S * rate)) if with_res == "1" else 0
+    res = {"t": "res", "cpu": 187.5, "rss": 1234567890}
     # The supervisor's own client, with its coalescing: each simulated rank is one EventClient,
     # connecting at the same time as the others, as the ranks of a job do.
     def connect(r):
@@ -69,6 +73,8 @@ CLIENTS = textwrap.dedent("""
             # Heartbeats replace one tick's event, spread over the ranks, so the rate holds.
             event = {"t": "hb"} if (i + r) % beat == 0 else kinds[i % len(kinds)](i)
             c.send(event)
+            if sample and (i + r) % sample == 0:  # besides the tick's event, as a sampler does
+                c.send(res)
             if event["t"] in ("progress", "metrics"):
                 last[r][event["t"]] = i
         sent += len(clients)
@@ -164,6 +170,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=10.0, help="events per second per rank")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="5 seconds")
+    parser.add_argument("--no-resources", action="store_true",
+                        help="no resources samples (``res`` events), for comparison")
     parser.add_argument("--metrics", type=int, default=0,
                         help="every event a report of this many metrics")
     parser.add_argument("--charts", action="store_true",
@@ -184,7 +192,8 @@ def main() -> int:
 
     clients = subprocess.Popen(
         [sys.executable, "-c", CLIENTS, *map(str, server.address), "bench", secret,
-         str(args.ranks), str(args.rate), str(seconds), str(args.metrics)],
+         str(args.ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1",
+         str(args.metrics)],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     assert clients.stdout is not None
@@ -222,6 +231,7 @@ def main() -> int:
     sent = report["sent"]
     result = {
         "ranks": args.ranks, "events_per_rank_per_s": args.rate, "seconds": seconds,
+        "resources_samples": not args.no_resources,
         "events_sent": sent, "events_delivered": channel.received,
         "events_lost": report["dropped"], "ranks_with_stale_values": len(stale),
         "driver_cpu_pct_of_one_core": round(busy_pct, 2),

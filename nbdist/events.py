@@ -105,7 +105,7 @@ MERGE_CHARS = 64 * 1024
 #: Most bytes of events put in one line (one JSON array) by a client.
 BATCH_LINE_BYTES = 1024 * 1024
 #: Events that need not go at once, and may be merged with a newer one of the same kind.
-_LAZY = frozenset({"progress", "metrics", "hb"})
+_LAZY = frozenset({"progress", "metrics", "hb", "res"})
 
 Event = dict[str, Any]
 
@@ -796,7 +796,8 @@ def _merge(pending: list[Event], event: Event) -> None:
     """Queue a lazy event, folding it into one of its kind already queued.
 
     Metrics merge into queued metrics. A progress update replaces the queued one of the same bar
-    and goes to the end (views show the bar updated last); a heartbeat replaces a queued one.
+    and goes to the end (views show the bar updated last); a heartbeat or a resources sample
+    (``res``) replaces a queued one.
     """
     kind = event.get("t")
     for i, old in enumerate(pending):

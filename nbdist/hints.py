@@ -57,6 +57,36 @@ HINTS = (
         "keras.distribution.initialize() (jax.distributed.initialize()) runs once per process: "
         "in a %dist_session, call it in one cell only, not in every cell.",
     ),
+    Hint(
+        # Lightning's ddp_notebook / ddp_fork / ddp_spawn: the Trainer starts its own processes
+        # (nbdist.capture refuses the literal strategy names before launch).
+        ("strategies/launchers/multiprocessing.py",),
+        "Lightning started processes of its own on this rank (strategy=\"ddp_notebook\", "
+        "\"ddp_fork\" or \"ddp_spawn\"): under %%distributed every rank already is one of "
+        "the processes, with the torchrun environment set. Use strategy=\"ddp\", with "
+        "devices=N for `%%distributed -np N` on one machine.",
+    ),
+    Hint(
+        # Plain pickle of a class or function that was never a module attribute (a lambda, a
+        # function defined inside another): multiprocessing's own pickling goes by value on a
+        # rank (nbdist._children), plain pickle.dumps/torch.save go by name.
+        ("attribute lookup", "on __main__ failed"),
+        "Plain pickle (pickle.dumps, torch.save, a library's own pickler) stores a class or "
+        "function of the notebook by name, and finds only those defined at the top level of "
+        "the cell or of an earlier cell. nbdist sends notebook classes and functions to "
+        "multiprocessing's children (DataLoader workers, Pool, ProcessPoolExecutor, "
+        "torch.multiprocessing) by value; for other picklers use cloudpickle.dumps, save a "
+        "state_dict rather than the object, or define it at the top level of a cell.",
+    ),
+    Hint(
+        ("Can't get attribute", "on <module '__m"),
+        "A new process could not find a class or function of the notebook by name: its "
+        "__main__ is not the cell's. nbdist sends them by value through multiprocessing "
+        "(DataLoader workers, Pool, ProcessPoolExecutor, torch.multiprocessing); bytes made "
+        "with plain pickle (pickle.dumps, torch.save) name them only. Pass the object itself "
+        "to the child, pickle it with cloudpickle, or define it in a module file next to the "
+        "notebook and import it.",
+    ),
 )
 
 

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from nbdist import _pickling, events, launch, state
+from nbdist import _pickling, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.rank import RankOutcome
@@ -252,6 +252,7 @@ class Job:
         env: dict[str, str] | None = None,
         label: str = "",
         session: bool = False,
+        mlflow: bool = False,
     ) -> None:
         self.id = f"{'s' if session else 'j'}{next(_ids)}"
         self.label = label
@@ -262,7 +263,11 @@ class Job:
         self.state = state.JobState(self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
         self._secret = events.new_secret()
-        self._env = dict(env or {})
+        # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
+        # the user's --env wins.
+        self._env = {**tracking.run_env(), **dict(env or {})}
+        #: Logs rank 0's reported metrics into that run (``--mlflow``), else None.
+        self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
         self._hellos: dict[int, Hello] = {}
         # Open event connections per rank. A rank's outcome comes back through the launcher,
         # its output through the event channel: the job only ends once every channel has
@@ -346,6 +351,8 @@ class Job:
 
     def on_event(self, rank: int, event: events.Event) -> None:
         self.state.apply(rank, event)
+        if rank == 0 and self._mlflow is not None and event.get("t") == "metrics":
+            self._mlflow.put(event.get("values") or {})
         if event.get("t") == "state" and event.get("state") == "failed":
             # The supervisor's last word before its outcome. A backend may hand outcomes over
             # only once every rank has ended (Spark's collect()): stop the others now.
@@ -411,6 +418,7 @@ class Job:
 
     # -- outcomes ---------------------------------------------------------------------------
     def _on_outcome(self, outcome: RankOutcome) -> None:
+        self.state.apply(outcome.rank, {"t": "marks", "at": {timeline.DELIVERED: time.time()}})
         host = outcome.lost_host
         hello = self._hellos.get(outcome.rank)
         if host is not None and hello is not None and outcome.status in ("failed", "cancelled"):
@@ -512,6 +520,8 @@ class Job:
         final = state.DONE if error is None else (
             state.CANCELLED if getattr(error, "reason", "") == "cancelled" else state.FAILED
         )
+        if self._mlflow is not None:
+            self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
         self.state.finish(final, str(error) if error is not None else self._lost or "")
         self._done.set()
         if self._size:
@@ -728,13 +738,15 @@ def start(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     label: str = "",
+    mlflow: bool = False,
 ) -> Job:
     """Start a job; ``np`` < 0 means |np| local ranks even when Spark is active."""
     launcher, n = choose_launcher(np, backend)
     if timeout is not None and timeout <= 0:
         raise ValueError("timeout must be a positive number of seconds")
     try:
-        return Job(payload, n, launcher, gpu=gpu, timeout=timeout, env=env, label=label)
+        return Job(payload, n, launcher, gpu=gpu, timeout=timeout, env=env, label=label,
+                   mlflow=mlflow)
     except OSError as exc:
         raise LaunchError(f"could not start the ranks: {exc}") from exc
 
@@ -747,6 +759,7 @@ def run(
     gpu: bool | None = None,
     timeout: float | None = None,
     env: dict[str, str] | None = None,
+    mlflow: bool = False,
     **kwargs: Any,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the :class:`Job`.
@@ -764,6 +777,10 @@ def run(
         Seconds after which every rank is stopped and the job fails.
     env : dict, optional
         Extra environment variables for every rank.
+    mlflow : bool
+        Log rank 0's reported metrics (``nbdist.report``) into the notebook's active MLflow
+        run, with steps (``nbdist.tracking``); a ValueError when there is none. The ranks
+        get that run's ``MLFLOW_*`` variables whether or not this is set.
 
     Returns
     -------
@@ -772,4 +789,4 @@ def run(
     """
     payload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
     return start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
-                 label=getattr(fn, "__name__", "fn"))
+                 label=getattr(fn, "__name__", "fn"), mlflow=mlflow)

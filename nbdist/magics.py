@@ -19,12 +19,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import events, launch
+from nbdist import _logcarry, events, launch
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError
 from nbdist.views import status
+from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
 from nbdist.views.text import TextView
 
@@ -45,6 +46,37 @@ class Options:
     export: str | None = None
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
+    mlflow: bool = False
+
+
+def parse_status(line: str) -> tuple[str | None, bool, str | None]:
+    """``%dist_status``'s arguments: the job, ``--timeline``, and ``--trace PATH``."""
+    job_id: str | None = None
+    show_timeline, trace = False, None
+    args = iter(shlex.split(line))
+    for arg in args:
+        if arg == "--timeline":
+            show_timeline = True
+        elif arg == "--trace" or arg.startswith("--trace="):
+            trace = arg.partition("=")[2] or next(args, "")
+            if not trace:
+                raise UsageError("--trace takes the path of the trace file to write "
+                                 "(e.g. --trace launch.json)")
+        elif arg.startswith("-"):
+            raise UsageError(f"%dist_status: unknown option {arg!r} (options: --timeline, "
+                             f"--trace PATH)")
+        elif job_id is None:
+            job_id = arg
+        else:
+            raise UsageError(f"%dist_status takes one job, not {job_id!r} and {arg!r}")
+    if job_id is None and (show_timeline or trace is not None):
+        raise UsageError("--timeline and --trace need a job: %dist_status JOB --timeline "
+                         "(%dist_status lists the jobs)")
+    if trace is not None:
+        folder = os.path.dirname(os.path.abspath(trace))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--trace {trace}: there is no folder {folder!r} to write it in")
+    return job_id, show_timeline, trace
 
 
 def _launch_arguments(func: Any) -> Any:
@@ -112,6 +144,10 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
         folder = os.path.dirname(os.path.abspath(export))
         if not os.path.isdir(folder):
             raise UsageError(f"--export {export}: there is no folder {folder!r} to write it in")
+    mlflow = bool(getattr(args, "mlflow", False))
+    if mlflow and np is None:
+        raise UsageError("--mlflow applies to a job of its own: give -np N (a session's cells "
+                         "log with mlflow.log_metric on the ranks)")
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
@@ -120,6 +156,7 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
         env=env, quiet=args.quiet, bg=getattr(args, "bg", False), show_source=args.show_source,
         export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
+        mlflow=mlflow,
     )
 
 
@@ -196,6 +233,9 @@ class DistMagics(Magics):
     @argument("--export", metavar="PATH",
               help="write a standalone script (and its values) to run with "
               "torchrun --nproc-per-node N PATH, and do not run it")
+    @argument("--mlflow", action="store_true",
+              help="log rank 0's reported metrics (nbdist.report) into the notebook's active "
+              "MLflow run, with steps")
     @argument("script", nargs="?", help="line form: a Python script to run on every rank")
     @argument("args", nargs=argparse.REMAINDER, help="line form: the script's arguments")
     @no_var_expand
@@ -243,6 +283,7 @@ class DistMagics(Magics):
             if opts.show_source or opts.export:
                 return None
             payload = captured.payload()
+            payload["logging"] = _logcarry.snapshot()  # as the environment is carried
         return self._run(payload, opts, returns=cell is not None and payload["returns_last"],
                          on=on)
 
@@ -268,7 +309,7 @@ class DistMagics(Magics):
             assert opts.np is not None
             try:
                 job = jobs.start(payload, opts.np, backend=opts.backend, gpu=opts.gpu,
-                                 timeout=opts.timeout, env=opts.env)
+                                 timeout=opts.timeout, env=opts.env, mlflow=opts.mlflow)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         view = None
@@ -317,14 +358,22 @@ class DistMagics(Magics):
     def dist_status(self, line: str) -> None:
         """Show this kernel's nbdist jobs and the capacity of the backends in use.
 
-        ``%dist_status JOB`` shows one job's ranks: state, host, pid, GPU, exit code, last lines.
+        ``%dist_status JOB`` shows one job's ranks: state, host, pid, GPU, exit code, CPU and
+        memory, last lines. ``%dist_status JOB --timeline`` shows where its launch time went
+        per rank (a table and a bar per rank); ``--trace PATH`` writes it as a Chrome trace
+        file for Perfetto or chrome://tracing.
         """
-        job_id = line.strip() or None
+        job_id, show_timeline, trace = parse_status(line)
         if job_id is not None:
             job = jobs.get_job(job_id)
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
-            display(status.RanksReport(job.state))
+            if trace is not None:
+                print(timeline_view.export_trace(job.state, trace))
+            if show_timeline:
+                display(timeline_view.TimelineReport(job.state))
+            if not (show_timeline or trace is not None):
+                display(status.RanksReport(job.state))
             return
         display(status.JobsReport([j.state for j in jobs.jobs()], _capacities(),
                                   rejected=events.rejected_connections()))

@@ -35,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from nbdist import events, runtime, state, values
+from nbdist import events, runtime, state, timeline, values
+from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
 #: Output lines longer than this are cut (the rest is counted, not sent).
@@ -223,6 +224,9 @@ class RankSpec:
     #: Stop the rank when the driver has said nothing (not even its pings) for this long:
     #: the driver is gone, or the network to it is (None: only a closed connection counts).
     heartbeat_timeout: float | None = None
+    #: When the backend scheduled the rank (``time.time()`` of its host: a Spark task's
+    #: start), the launch timeline's ``scheduled`` mark; 0: when the supervisor starts.
+    scheduled: float = 0.0
 
 
 @dataclass
@@ -316,11 +320,14 @@ class Supervisor:
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
+        #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
+        self.marks: dict[str, float] = {}
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
         if msg.get("t") == "world":
             self._world_env = {str(k): str(v) for k, v in msg.get("env", {}).items()}
+            self.mark(timeline.WORLD)
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
@@ -343,6 +350,19 @@ class Supervisor:
             self._quitting = True
             rp.send(runtime.QUIT, b"")
 
+    def mark(self, name: str, at: float | None = None) -> None:
+        """Stamp a moment of the launch (``nbdist.timeline``); the first stamp of each counts.
+        Kept until the channel is up, then sent (lost without a channel, and not counted)."""
+        if name in self.marks:
+            return
+        at = self.marks[name] = time.time() if at is None else at
+        if self._client is not None:
+            self._send(t="marks", at={name: at})
+
+    def _rank_pid_now(self) -> int | None:
+        rp = self._rp
+        return self._rank_pid or (rp.pid if rp is not None else None)
+
     def _send(self, **event: Any) -> None:
         client = self._client
         if client is not None and client.send(event):
@@ -353,15 +373,17 @@ class Supervisor:
             if kind == "out":
                 # Whole lines, as the driver counts them (a "\r" redraw of a bar is not one).
                 self._lost_lines += str(event.get("text", "")).count("\n")
-            elif kind not in ("hb", "state"):  # the channel's own bookkeeping is no loss
+            elif kind not in ("hb", "state", "res", "marks"):  # bookkeeping is no loss
                 self._dropped += 1
 
     # -- life -----------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
         spec = self.spec
+        self.mark(timeline.SCHEDULED, spec.scheduled or None)
         hello = self._hello()
         try:
             self._connect(hello)
+            self._send(t="marks", at=dict(self.marks))
         except OSError as exc:
             self._channel_error = (
                 f"rank {spec.rank} on {spec.host} cannot reach the driver's event server at "
@@ -379,9 +401,13 @@ class Supervisor:
         ended = threading.Event()
         threading.Thread(target=self._beat, args=(ended,), daemon=True,
                          name=f"nbdist-beat-{spec.rank}").start()
+        sampler = Sampler(self._rank_pid_now, spec.gpus, self._send)
+        if self._client is not None:
+            sampler.start()
         try:
             return self._run_rank()
         finally:
+            sampler.stop()
             ended.set()
             if self._killer is not None:
                 self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
@@ -439,6 +465,7 @@ class Supervisor:
             self._gather_error = f"{type(exc).__name__}: {exc}"
         else:
             self._world_env = envs[spec.rank]
+            self.mark(timeline.WORLD)
             self._world.set()
         finally:
             self._gathered.set()
@@ -521,6 +548,7 @@ class Supervisor:
                 rp = RankProcess(spec.python, {**spec.env, **world}, spec.cwd)
             self._proc = rp.proc
             self._rp = rp
+        self.mark(timeline.SPAWNED)
         # The environment also travels as a frame: a warm interpreter was started before the
         # rendezvous and sets it itself before running anything of the user's.
         env = json.dumps({"env": {**spec.env, **world}, "cwd": spec.cwd}).encode()
@@ -544,6 +572,7 @@ class Supervisor:
         for t in pumps:
             t.start()
         code = proc.wait()
+        self.mark(timeline.EXIT)
         # Whatever the rank left in its group (servers, data loader workers) goes with it; this
         # also closes the pipes those processes inherited, so the pumps reach end of file.
         # (What it started in sessions of their own, its guardian has killed already.)
@@ -602,6 +631,12 @@ class Supervisor:
                     continue
                 if event.get("t") == "state" and event.get("state") == "ready":
                     self._rank_pid = int(event.get("pid") or rp.pid)
+                    at = event.get("at")
+                    self.mark(timeline.READY, at if isinstance(at, (int, float)) else None)
+                if event.get("t") == "marks":  # the interpreter's (imports, end): first ones
+                    for name, at in timeline.clean(event.get("at") or {}).items():
+                        self.mark(name, at)
+                    continue
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
                     if self.spec.session:
@@ -617,8 +652,10 @@ class Supervisor:
                 self._cell_ended(kind, body)
             elif kind == runtime.RESULT:
                 self._result = body
+                self.mark(timeline.RESULT)
             elif kind == runtime.ERROR:
                 self._error = json.loads(body)
+                self.mark(timeline.RESULT)
 
     def _cell_output_sent(self) -> None:
         """Wait (at most ``SYNC_WAIT_S``) until the session cell's output went to the driver:
@@ -775,6 +812,8 @@ class Supervisor:
         parts.pop()  # after the last newline: unfinished
         for line in parts[-TAIL_LINES:]:
             self._tail.append(line.rstrip("\r").rsplit("\r", 1)[-1])
+        if timeline.OUTPUT not in self.marks:
+            self.mark(timeline.OUTPUT)
         self._send(t="out", s=stream, text=text)
 
     # -- teardown -------------------------------------------------------------------------------

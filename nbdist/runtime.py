@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from nbdist import values  # standard library only
+from nbdist import _children, _logcarry, values  # standard library only
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -414,12 +414,13 @@ def _import(module: str, what: str, name: str) -> Any:
 
 
 #: The namespace of a persistent session's cells: one per rank interpreter, kept between cells
-#: as a kernel keeps ``user_ns``. A one-off job's cell gets a fresh one.
-_session_ns: dict[str, Any] = {}
+#: as a kernel keeps ``user_ns``. A one-off job's cell gets a fresh one. Each is the dict of a
+#: module ``__main__`` (``_children``: what spawned children of the rank need).
+_session_ns: dict[str, Any] = _children.namespace(keep=True)
 
 
 def _namespace(payload: dict[str, Any]) -> dict[str, Any]:
-    ns = _session_ns if payload.get("session") else {}
+    ns = _session_ns if payload.get("session") else _children.namespace()
     if "__builtins__" not in ns:
         ns.update({"__name__": "__main__", "__builtins__": builtins})
         shell = _RankShell(ns)
@@ -442,6 +443,8 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     lines = ["\n"] * offset + source.splitlines(True)
     linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     ns = _namespace(payload)
+    _children.enter(ns)
+    _logcarry.apply(payload.get("logging"))
     for name, module, attr in payload.get("imports", ()):
         what = f"from {module} import {attr}" if attr else f"import {module}"
         mod = _import(module, what, name)
@@ -464,10 +467,17 @@ def _run_cell(payload: dict[str, Any]) -> Any:
     if payload.get("returns_last") and tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body[-1].value)
         tree.body.pop()
+    _mark("imports")
     exec(compile(tree, filename, "exec", flags=flags, dont_inherit=True), ns)
     if last is None:
         return None
     return eval(compile(last, filename, "eval", flags=flags, dont_inherit=True), ns)
+
+
+def _mark(name: str) -> None:
+    """Stamp a moment of the launch timeline (``nbdist.timeline``) for the supervisor."""
+    if _channel is not None:
+        _channel.event(t="marks", at={name: time.time()})
 
 
 def _run_script(payload: dict[str, Any]) -> Any:
@@ -485,6 +495,7 @@ def _run_script(payload: dict[str, Any]) -> Any:
 
 def _run_call(payload: dict[str, Any]) -> Any:
     fn: Callable[..., Any] = payload["fn"]
+    _children.install()  # a script's functions (its __main__'s) reach the rank's children too
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 
@@ -841,8 +852,11 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             _interruptible.set()
             try:
                 _cells.start(payload.get("cell"))
+                if payload["kind"] != "cell":  # a cell marks it after its imports
+                    _mark("imports")
                 value = _RUNNERS[payload["kind"]](payload)
             finally:
+                _mark("end")
                 _interruptible.clear()
                 _cells.end()
         except BaseException as exc:
@@ -1131,7 +1145,7 @@ def main(guard: bool = True) -> None:
     pacer = _Pacer()
     pacer.install()
     _guard_forks(pacer)
-    chan.event(t="state", state="ready", pid=os.getpid())
+    chan.event(t="state", state="ready", pid=os.getpid(), at=time.time())
     code = 0
     try:
         _serve(inbox, chan)

@@ -14,9 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from nbdist import timeline
 from nbdist.protocol import HEARTBEAT_S as HEARTBEAT_S
 from nbdist.protocol import SILENT_AFTER_S as SILENT_AFTER_S
 from nbdist.protocol import RankStatus
+from nbdist.resources import Resources
 from nbdist.series import MetricSeries
 
 LOG_LINES = 1000
@@ -61,6 +63,8 @@ class RankState:
     progress: dict[int, dict[str, Any]] = field(default_factory=dict)
     bar: int | None = None  # id of the progress bar updated last (the one views show)
     metrics: dict[str, Any] = field(default_factory=dict)
+    resources: Resources | None = None  # the latest sample of its supervisor (resources.py)
+    marks: dict[str, float] = field(default_factory=dict)  # its launch's marks (timeline.py)
 
     @property
     def dropped(self) -> int:
@@ -133,6 +137,12 @@ class JobState:
                     self.series.add(rank, values, event.get("step"), r.last_seen)
             elif kind == "state":
                 self._rank_state(r, event)
+            elif kind == "res":
+                r.resources = Resources.from_event(event, r.last_seen)
+            elif kind == "marks":
+                at = event.get("at")
+                if isinstance(at, dict):
+                    r.marks.update(timeline.clean(at))
             elif kind == "hello":
                 r.host = event.get("host")
                 gpus = event.get("gpus") or []

@@ -21,6 +21,7 @@ from typing import Any
 # The package itself, for its setting ``LARGE_VALUE_BYTES`` (users set it there). It is only
 # partly initialised while this module loads; capture_cell reads it at call time.
 from nbdist import capture as _package
+from nbdist.capture import _launchers as launchers
 from nbdist.capture._export import function_source, write_export
 from nbdist.capture._scope import Flow, Need
 from nbdist.capture._ship import Import, Value, by_name, large_message, ship, submodules_reached
@@ -150,6 +151,7 @@ def _analyse(cell: str, transform: Callable[[str], str] | None, filename: str, l
     """The cell as Python, the notebook names it reads, and whether it has a value. Only
     these small results outlive the call: the tree goes with it (see :func:`_gc_paused`)."""
     source, tree = parse(cell, transform, filename, lines.offset)
+    launchers.check(tree, lines)  # Lightning's ddp_notebook: refused before launch
     # a ``from __future__ import annotations`` in the cell is seen by the flow itself
     needs = Flow(lines, future_annotations, filename, universe).run(tree)
     return source, needs, has_value(tree, source, lines.offset)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbdist import runtime
+from nbdist import runtime, timeline
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest
@@ -188,12 +188,14 @@ class WarmPool:
         if zygote is not None:
             zygote.warm(sorted(set(modules) | self._last), check=True)
 
-    def ready(self, spec: RankSpec, abort: threading.Event) -> None:
+    def ready(self, spec: RankSpec, abort: threading.Event) -> bool:
         """Wait until the zygote of ``spec``'s environment has imported what it was asked
-        (or ``abort`` is set): the ranks are forked with their modules loaded."""
+        (or ``abort`` is set): the ranks are forked with their modules loaded. False when
+        there is no zygote to wait for."""
         zygote = self._zygote(spec)
         if zygote is not None:
             zygote.ready(timeout=ZYGOTE_WAIT_S, abort=abort)
+        return zygote is not None
 
     def take(self, spec: RankSpec) -> RankProcess | None:
         zygote = self._zygote(spec)
@@ -469,7 +471,9 @@ class LocalLauncher:
 def _run(sup: Supervisor, on_outcome: Callable[[RankOutcome], None],
          stop: threading.Event) -> None:
     try:
-        pool.ready(sup.spec, abort=stop)
+        sup.mark(timeline.SCHEDULED)
+        if pool.ready(sup.spec, abort=stop):
+            sup.mark(timeline.PRELOADED)
         outcome = sup.run()
     except BaseException as exc:  # a bug in nbdist must still end the job, not hang it
         outcome = RankOutcome(sup.spec.rank, "failed", error={

@@ -523,6 +523,9 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
     session, heartbeat_timeout = request.session, request.heartbeat_timeout
 
     def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
+        import time
+
+        scheduled = time.time()  # the launch timeline's ``scheduled``: the task began
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
@@ -543,7 +546,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
             }}
             return
         yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
-                             run_id, session, heartbeat_timeout)
+                             run_id, session, heartbeat_timeout, scheduled)
 
     return nbdist_rank
 
@@ -551,7 +554,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
 def run_task(
     ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
     payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
-    session: bool = False, heartbeat_timeout: float | None = None,
+    session: bool = False, heartbeat_timeout: float | None = None, scheduled: float = 0.0,
 ) -> _Fields:
     """Run one rank inside its barrier task with the shared supervisor; its outcome as fields."""
     import json
@@ -573,6 +576,7 @@ def run_task(
         host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
         python=sys.executable, run_id=run_id, session=session,
         executor=_executor_host(ctx, rank), heartbeat_timeout=heartbeat_timeout,
+        scheduled=scheduled,
     )
 
     def gather(hello: dict[str, Any]) -> list[dict[str, Any]]:

@@ -224,12 +224,13 @@ class RankRow(NamedTuple):
     gpu: str
     exit: int | None
     seen: str
+    resources: str
     progress: str
     last_line: str
 
 
 _RANK_COLUMNS = (
-    "rank", "state", "host", "pid", "gpu", "exit", "seen", "progress", "last line",
+    "rank", "state", "host", "pid", "gpu", "exit", "seen", "resources", "progress", "last line",
 )
 
 
@@ -248,7 +249,15 @@ def rank_state(r: RankState) -> str:
 def _rank_row(r: RankState) -> RankRow:
     bar = r.progress.get(r.bar) if r.bar is not None else None
     return RankRow(r.rank, rank_state(r), r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
-                   html.unescape(progress_text(bar)) if bar else "", _last(r))
+                   resources_text(r), html.unescape(progress_text(bar)) if bar else "", _last(r))
+
+
+def resources_text(r: RankState) -> str:
+    """What a running rank uses (``CPU 187% · RSS 1.2 GB · GPU0 93% ...``); "" once it ended
+    or before its first sample (``nbdist.resources``)."""
+    if r.resources is None or r.state in FINAL:
+        return ""
+    return r.resources.text()
 
 
 def _rank_rows(job: JobState) -> tuple[list[RankRow], int]:

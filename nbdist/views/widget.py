@@ -134,6 +134,9 @@ def _details(r: RankState, bar: dict[str, Any] | None) -> str:
         parts.append(status.progress_text(bar))
     if r.metrics:
         parts.append(status.metrics_text(r.metrics))
+    used = status.resources_text(r)
+    if used:
+        parts.append(f"<span class='nbdist-muted nbdist-res'>{html.escape(used)}</span>")
     last = r.status_line or r.last_line
     if last:
         if len(last) > LAST_LINE_CHARS:

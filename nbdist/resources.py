@@ -1,0 +1,236 @@
+"""What a rank uses: CPU, resident memory and (where NVIDIA's library is there) its GPU.
+
+The rank's supervisor (``rank.py``) runs a :class:`Sampler` beside the rank: every
+``SAMPLE_S`` it measures the rank's process tree and sends one ``res`` event on the channel,
+which the driver keeps in ``RankState.resources`` and views show in the rank's row and in
+``%dist_status JOB``. The event is lazy (``events._LAZY``): it waits for other events to travel
+with, and a newer one replaces one still queued, so it costs the channel nothing a heartbeat
+does not already cost.
+
+The event (``protocol``'s words)::
+
+    {"t": "res", "cpu": 187.5, "rss": 1234567890,
+     "gpus": [{"id": "0", "util": 93, "mem": 31500000000, "total": 85000000000}]}
+
+``cpu`` is the percent of one core used by the rank and its descendants over the last interval
+(200 = two cores busy); ``rss`` is their resident memory in bytes (the rank's guardian, which
+shares most pages with the rank, is left out so they are not counted twice). ``gpus`` comes only
+where ``pynvml`` (the ``nvidia-ml-py`` distribution) imports and NVML starts, for the devices
+the rank was given: utilisation (percent of time a kernel ran, over NVML's last sample period)
+and memory used on the *device*, whichever process holds it. Without them the key is absent.
+
+Standard library and psutil only at import: it runs in Spark's Python workers too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: How often a rank's resources are measured and sent. Views refresh at ~10 Hz, but CPU and
+#: memory move slowly, and each sample walks the rank's process tree (``/proc``).
+SAMPLE_S = 2.0
+
+
+@dataclass(frozen=True)
+class GpuUse:
+    """One device's utilisation (percent) and memory (bytes used, bytes in all)."""
+
+    id: str
+    util: int | None
+    mem: int | None
+    total: int | None
+
+
+@dataclass(frozen=True)
+class Resources:
+    """A rank's latest sample, as the driver keeps it (``RankState.resources``)."""
+
+    cpu: float | None
+    rss: int | None
+    gpus: tuple[GpuUse, ...] = ()
+    at: float = 0.0  # the driver's time.time() when it arrived
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any], at: float) -> Resources:
+        """Read a ``res`` event; fields of the wrong type are left out, never trusted."""
+        cpu, rss = event.get("cpu"), event.get("rss")
+        gpus = []
+        for g in event.get("gpus") or ():
+            if isinstance(g, dict):
+                gpus.append(GpuUse(str(g.get("id", "")), _int(g.get("util")),
+                                   _int(g.get("mem")), _int(g.get("total"))))
+        return cls(float(cpu) if isinstance(cpu, (int, float)) else None, _int(rss),
+                   tuple(gpus), at)
+
+    def text(self) -> str:
+        """``CPU 187% · RSS 1.2 GB · GPU0 93% 31.5/85.0 GB`` (GPU parts only when sampled)."""
+        parts = []
+        if self.cpu is not None:
+            parts.append(f"CPU {self.cpu:.0f}%")
+        if self.rss is not None:
+            parts.append(f"RSS {size_text(self.rss)}")
+        for g in self.gpus:
+            gpu = f"GPU{g.id}"
+            if g.util is not None:
+                gpu += f" {g.util}%"
+            if g.mem is not None:
+                gpu += f" {g.mem / 1e9:.1f}" + (f"/{g.total / 1e9:.1f} GB" if g.total else " GB")
+            parts.append(gpu)
+        return " · ".join(parts)
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def size_text(n: float) -> str:
+    """Bytes in words: ``812 MB``, ``1.2 GB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"
+
+
+class _Gpus:
+    """NVML handles of the rank's devices, or nothing where NVML is not there.
+
+    Devices are named as ``CUDA_VISIBLE_DEVICES`` names them: an index or a ``GPU-…`` UUID.
+    An index is NVML's order, which is CUDA's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; the
+    launchers hand out the indices that ``nvidia-smi`` (NVML) lists, so they agree.
+    """
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.nvml: Any = None
+        self.handles: list[tuple[str, Any]] = []
+        if not ids:
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception:  # ImportError: not installed; NVMLError: no driver, no device
+            return
+        self.nvml = pynvml
+        for gid in ids:
+            try:
+                handle = (pynvml.nvmlDeviceGetHandleByUUID(gid) if gid.startswith(("GPU-", "MIG-"))
+                          else pynvml.nvmlDeviceGetHandleByIndex(int(gid)))
+            except Exception:  # a name NVML does not know: that device goes unmeasured
+                continue
+            self.handles.append((gid, handle))
+
+    def sample(self) -> list[dict[str, Any]]:
+        out = []
+        for gid, handle in self.handles:
+            g: dict[str, Any] = {"id": gid}
+            try:
+                g["util"] = int(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception:  # NVMLError_NotSupported on some devices (MIG slices)
+                pass
+            try:
+                mem = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+                g["mem"], g["total"] = int(mem.used), int(mem.total)
+            except Exception:
+                pass
+            out.append(g)
+        return out
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
+
+
+class Sampler:
+    """Measures a rank's process tree every ``every`` seconds and hands each sample to ``send``.
+
+    Parameters
+    ----------
+    pid : callable
+        The rank's own pid (the root of what is measured), or None while it has none yet.
+    gpus : sequence of str
+        The rank's devices (``CUDA_VISIBLE_DEVICES``' names); empty: no GPU fields.
+    send : callable
+        Called with each sample as ``res`` event fields, on the sampler's thread.
+    """
+
+    def __init__(self, pid: Callable[[], int | None], gpus: Sequence[str],
+                 send: Callable[..., None], every: float = SAMPLE_S) -> None:
+        self._pid = pid
+        self._gpu_ids = tuple(gpus)
+        self._send = send
+        self._every = every
+        self._stop = threading.Event()
+        # CPU seconds (user + system) per process, by (pid, create time) so that a reused pid
+        # is a new process. A process that ended between two samples takes the CPU time of
+        # its last interval with it: a small undercount, where psutil.cpu_percent per process
+        # would cost one Process object kept per descendant.
+        self._cpu: dict[tuple[int, float], float] = {}
+        self._last = 0.0
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbdist-resources")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _loop(self) -> None:
+        try:
+            import psutil  # noqa: F401  (a rank without psutil sends no samples)
+        except ImportError:
+            return
+        gpus = _Gpus(self._gpu_ids)
+        try:
+            # Until the rank has a process, look every quarter second: its first sample (its
+            # memory, and the start of its first CPU interval) then comes soon after it starts.
+            while not self._stop.wait(self._every if self._last else min(self._every, 0.25)):
+                event = self.sample(gpus)
+                if event:
+                    self._send(t="res", **event)
+        finally:
+            gpus.close()
+
+    def sample(self, gpus: _Gpus | None = None) -> dict[str, Any]:
+        """One sample of the rank's tree (empty while the rank has no process)."""
+        import psutil
+
+        pid = self._pid()
+        if pid is None:
+            return {}
+        now = time.monotonic()
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:  # the rank is gone
+            return {}
+        rss = 0
+        cpu: dict[tuple[int, float], float] = {}
+        used = 0.0
+        for p in procs:
+            try:
+                with p.oneshot():  # one read of /proc/PID/stat for both
+                    times = p.cpu_times()
+                    key = (p.pid, p.create_time())
+                    rss += p.memory_info().rss
+            except psutil.Error:  # ended while we looked
+                continue
+            total = times.user + times.system
+            cpu[key] = total
+            # A process new since the last sample counts from its start (its whole CPU time).
+            used += total - self._cpu.get(key, 0.0)
+        event: dict[str, Any] = {"rss": rss}
+        if self._last:
+            event["cpu"] = round(100.0 * max(0.0, used) / max(now - self._last, 1e-3), 1)
+        self._cpu, self._last = cpu, now
+        if gpus is not None and gpus.handles:
+            event["gpus"] = gpus.sample()
+        return event

@@ -1,0 +1,80 @@
+"""Children of Spark ranks: notebook classes and functions reach spawned, forkserver and forked
+children of a rank that is a Spark barrier task, and notebook logging reaches it, as on local
+ranks (tests/test_children.py has the table's local half)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from nbdist import job as jobs
+from nbdist import session as sessions
+
+from .. import children
+from ..helpers import run
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture
+def notebook(ip: Any, spark_local: SparkSession) -> Iterator[Any]:
+    """The table's earlier cell, run in a shell whose %%distributed goes to Spark."""
+    run(ip, children.NOTEBOOK)
+    yield ip
+    for name in ("OFFSET", "square", "Squares"):
+        ip.user_ns.pop(name, None)
+
+
+def test_notebook_code_reaches_every_kind_of_child_of_a_spark_rank(
+    notebook: Any, tmp_path: Path
+) -> None:
+    """Every start method × DataLoader workers, Pool, ProcessPoolExecutor, torch.multiprocessing
+    on a Spark rank gives what the same code gives as a plain script."""
+    out = json.loads(run(notebook, children.cell(children.METHODS)))
+    assert jobs.jobs()[-1].state.backend == "spark"
+    expected = children.reference(tmp_path)
+    assert out == expected
+    assert expected["spawn"] == children.expected_by_hand()
+
+
+@pytest.mark.usefixtures("no_session")
+def test_spark_session_class_and_notebook_logging_reach_the_ranks(
+    ip: Any, spark_local: SparkSession, capsys: Any
+) -> None:
+    """On a Spark session: an earlier session cell's class in a spawn Pool, and notebook
+    logging shown formatted."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    run(ip, "%dist_session start -np 1")
+    try:
+        live = sessions.current()
+        assert live is not None and live.launcher.name == "spark"
+        run(ip, "%%distributed\n"
+                "class Tripler:\n"
+                "    def __call__(self, i):\n"
+                "        return 3 * i\n")
+        run(ip, "import logging, sys\n"
+                "logging.getLogger().handlers.clear()\n"
+                "logging.basicConfig(level=logging.INFO, format='%(levelname)s|%(message)s',"
+                " stream=sys.stdout)\n")
+        capsys.readouterr()
+        out = run(ip, "%%distributed\n"
+                      "import logging, multiprocessing\n"
+                      "logging.getLogger('x').info('hi')\n"
+                      "with multiprocessing.get_context('spawn').Pool(2) as pool:\n"
+                      "    got = pool.map(Tripler(), range(4))\n"
+                      "got\n")
+        assert out == [0, 3, 6, 9]
+        assert "[rank 0] INFO|hi" in capsys.readouterr().out
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        live = sessions.current()
+        if live is not None and live.alive:
+            live.stop()

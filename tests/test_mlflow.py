@@ -1,0 +1,113 @@
+"""MLflow: the notebook's active run reaches the ranks, and ``mlflow=True`` logs rank 0's
+reported metrics into it; with the real ``mlflow`` (``mlflow-skinny``) and a folder store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import nbdist
+
+mlflow = pytest.importorskip("mlflow")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture
+def notebook_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """An active MLflow run in a folder store under ``tmp_path``, ended after the test."""
+    # MLflow 3 refuses a folder store unless asked; mlflow-skinny has no sqlite store.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    run = mlflow.start_run()
+    try:
+        yield run
+    finally:
+        mlflow.end_run()
+        mlflow.set_tracking_uri(None)
+
+
+def _log_on_rank_0() -> dict[str, str]:
+    import os
+
+    import mlflow
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    if os.environ["RANK"] == "0":
+        mlflow.log_metric("rank_loss", 0.25, step=7)
+    return env
+
+
+def test_rank_0_logs_into_the_notebooks_active_run(notebook_run: Any) -> None:
+    """The ranks get the run's MLFLOW_* variables; mlflow.log_metric on rank 0 lands in it,
+    and the run stays the notebook's, running."""
+    job = nbdist.run(_log_on_rank_0, np=2, backend="local")
+    envs = job.results if job.result(timeout=150) is not None else []
+    info = notebook_run.info
+    for env in envs:
+        assert env["MLFLOW_RUN_ID"] == info.run_id
+        assert env["MLFLOW_EXPERIMENT_ID"] == info.experiment_id
+        assert env["MLFLOW_TRACKING_URI"] == mlflow.get_tracking_uri()
+    history = mlflow.MlflowClient().get_metric_history(info.run_id, "rank_loss")
+    assert [(m.value, m.step) for m in history] == [(0.25, 7)]
+    assert mlflow.active_run().info.run_id == info.run_id
+    assert mlflow.get_run(info.run_id).info.status == "RUNNING"
+
+
+def _autolog_on_rank_0() -> None:
+    import os
+
+    import mlflow
+    from sklearn.linear_model import LinearRegression  # type: ignore[import-untyped]
+
+    if os.environ["RANK"] == "0":
+        mlflow.autolog(log_models=False, log_datasets=False, silent=True)
+        LinearRegression(fit_intercept=False).fit([[0.0], [1.0], [2.0]], [0.0, 2.0, 4.0])
+
+
+def test_autolog_on_rank_0_logs_into_the_notebooks_run(notebook_run: Any) -> None:
+    """mlflow.autolog() on rank 0 records a scikit-learn fit's parameters in the notebook's
+    run."""
+    nbdist.run(_autolog_on_rank_0, np=2, backend="local").result(timeout=150)
+    params = mlflow.get_run(notebook_run.info.run_id).data.params
+    assert params.get("fit_intercept") == "False"
+
+
+def _report(n: int) -> None:
+    import time
+
+    import nbdist
+
+    for step in range(n):
+        nbdist.report(loss=1.0 / (step + 1), step=step, note="text is not a metric")
+        time.sleep(0.4)  # longer than the channel's merging of metrics (events.LAZY_S)
+
+
+def test_mlflow_option_logs_rank_0s_reports_with_their_steps(notebook_run: Any) -> None:
+    """With mlflow=True the driver logs what rank 0 reports, each value at its step, by the
+    time the job's result is there."""
+    nbdist.run(_report, 4, np=2, backend="local", mlflow=True).result(timeout=150)
+    history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "loss")
+    steps = [m.step for m in history]
+    assert steps == sorted(steps) and steps[-1] == 3, steps
+    assert {m.step: m.value for m in history}[3] == pytest.approx(0.25)
+    assert not mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "note")
+
+
+def test_mlflow_option_without_an_active_run_says_how_to_start_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow=True with no active run is refused before launch, naming mlflow.start_run()."""
+    assert mlflow.active_run() is None
+    with pytest.raises(ValueError, match=r"no active MLflow run: .*mlflow.start_run\(\)"):
+        nbdist.run(_report, 1, np=2, backend="local", mlflow=True)
+
+
+def test_magic_mlflow_option_logs_rank_0s_reports(ip: Any, notebook_run: Any) -> None:
+    """%%distributed --mlflow logs rank 0's reports into the notebook's run."""
+    ip.run_cell_magic("distributed", "-np 2 --mlflow --quiet",
+                      "import nbdist\nnbdist.report(acc=0.5, step=2)\n")
+    history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "acc")
+    assert [(m.value, m.step) for m in history] == [(0.5, 2)]

@@ -1,0 +1,171 @@
+"""The launch timeline (marks, phases, the Chrome trace, ``%dist_status JOB --timeline``) and the
+resources each rank's supervisor samples, on real local ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+import nbdist
+from nbdist import resources, state, timeline
+from nbdist.magics import parse_status
+from nbdist.views import status
+from nbdist.views import timeline as timeline_view
+
+from .helpers import wait_for
+
+#: What every rank of a job that prints and returns goes through, in this order.
+LAUNCH = ["schedule", "rendezvous", "spawn", "interpreter", "imports", "first output", "cell",
+          "result", "exit", "deliver"]
+
+
+def check_trace(trace: dict[str, Any], np: int, hosts: int = 1) -> dict[int, list[str]]:
+    """Assert the trace's shape (a process per host, a thread per rank, phases back to back in
+    time order); each rank's phase names."""
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert len(names) == hosts
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            assert e["pid"] in names and e["dur"] >= 0
+            by_rank.setdefault(e["tid"], []).append(e)
+    assert sorted(by_rank) == list(range(np))
+    for xs in by_rank.values():
+        for a, b in zip(xs, xs[1:], strict=False):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1.0, (a, b)  # back to back, in order (1 µs)
+    return {rank: [e["name"] for e in xs] for rank, xs in by_rank.items()}
+
+
+def in_order(names: list[str], wanted: list[str]) -> bool:
+    """Whether ``wanted`` occurs in ``names`` in this order (others may come between)."""
+    it = iter(names)
+    return all(w in it for w in wanted)
+
+
+@pytest.mark.timeout(10)
+def test_phases_follow_the_marks_in_time_order_and_skew_never_makes_one_negative() -> None:
+    """A warm interpreter ready before the rendezvous comes first, and a driver clock behind
+    the rank's host gives a zero-length phase, not a negative one."""
+    marks = {"submitted": 100.0, "scheduled": 100.5, "ready": 100.6, "world": 101.0,
+             "spawned": 101.1, "imports": 101.3, "end": 102.0, "result": 102.1,
+             "exit": 102.2, "delivered": 102.15}
+    ps = timeline.phases(3, marks)
+    assert [p.name for p in ps] == ["schedule", "interpreter", "rendezvous", "spawn", "imports",
+                                    "cell", "result", "exit", "deliver"]
+    assert all(p.duration >= 0 and p.rank == 3 for p in ps)
+    assert ps[-1].duration == 0.0 and ps[0].start == 100.0 and ps[-1].end == 102.2
+    assert all(a.end == b.start for a, b in zip(ps, ps[1:], strict=False))
+    assert timeline.clean({"world": 1, "bogus": 2.0, "end": "x", "exit": True}) == {"world": 1.0}
+
+
+@pytest.mark.timeout(10)
+def test_resources_from_the_wire_keep_only_what_has_the_right_type() -> None:
+    """A ``res`` event with fields of the wrong type shows what is valid, and no GPU part
+    without GPU fields."""
+    r = resources.Resources.from_event(
+        {"cpu": 187.4, "rss": 1.5e9, "gpus": [{"id": 0, "util": 93, "mem": 3.15e10,
+                                               "total": 8.5e10}, "junk"]}, at=1.0)
+    assert r.text() == "CPU 187% · RSS 1.5 GB · GPU0 93% 31.5/85.0 GB"
+    bare = resources.Resources.from_event({"cpu": "lots", "rss": 812e6, "gpus": None}, at=1.0)
+    assert bare.text() == "RSS 812 MB" and bare.gpus == ()
+
+
+@pytest.mark.timeout(30)
+def test_sampler_counts_the_cpu_and_memory_of_the_whole_process_tree() -> None:
+    """A process whose child burns a core and holds 200 MB is measured with its child."""
+    code = ("import subprocess, sys; subprocess.run([sys.executable, '-c', "
+            "'b = bytearray(200 * 1024 * 1024)\\nwhile True: pass'])")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        sampler = resources.Sampler(lambda: proc.pid, (), lambda **e: None)
+        first = sampler.sample()
+        assert "cpu" not in first  # a CPU share needs an interval
+        samples: list[dict[str, Any]] = []
+
+        def busy() -> bool:
+            time.sleep(0.5)  # the interval the share is measured over
+            samples.append(sampler.sample())
+            return samples[-1].get("rss", 0) > 200e6 and samples[-1].get("cpu", 0) > 50
+
+        wait_for(busy, 20, "the child's memory and CPU in a sample")
+        assert "gpus" not in samples[-1]  # no devices asked for: no GPU fields
+        # A device asked for where NVML is not there (no pynvml, or no driver): no GPU fields
+        # either, and no error.
+        gpus = resources._Gpus(("0",))
+        assert "gpus" not in sampler.sample(gpus) or gpus.handles
+        gpus.close()
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True):  # before it is orphaned
+            child.kill()
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(10)
+def test_status_options_are_parsed_with_errors_that_name_the_fix(tmp_path: Path) -> None:
+    """``%dist_status`` takes a job, ``--timeline`` and ``--trace PATH``; bad ones say why."""
+    assert parse_status("") == (None, False, None)
+    assert parse_status(f"j3 --timeline --trace {tmp_path}/t.json") == (
+        "j3", True, f"{tmp_path}/t.json")
+    assert parse_status("--trace=x.json j3") == ("j3", False, "x.json")
+    for line, words in [("j1 --trace", "takes the path"), ("--timeline", "need a job"),
+                        ("j1 --gantt", "unknown option '--gantt'"), ("j1 j2", "one job"),
+                        (f"j1 --trace {tmp_path}/no/t.json", "no folder")]:
+        with pytest.raises(UsageError, match=words):
+            parse_status(line)
+
+
+def _busy(seconds: float) -> int:
+    import os
+    import time
+
+    print(f"rank {os.environ['RANK']} starts", flush=True)
+    held = bytearray(150 * 1024 * 1024)  # noqa: F841  (resident while the rank runs)
+    end = time.time() + seconds
+    while time.time() < end:
+        pass
+    return int(os.environ["RANK"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_local_ranks_report_resources_and_a_timeline_whose_trace_opens(
+        tmp_path: Path, ip: Any) -> None:
+    """Local ranks show their CPU and memory while they run; the job's timeline has every
+    phase in order per rank, as a table, bars and a valid Chrome trace."""
+    job = nbdist.run(_busy, 6.0, np=2, backend="local")
+    wait_for(lambda: all(r.resources is not None and (r.resources.cpu or 0) > 30
+                         and (r.resources.rss or 0) > 150e6 for r in job.state.ranks), 60,
+             "both ranks' CPU and memory samples")
+    r0 = job.state.ranks[0]
+    assert r0.resources is not None and r0.resources.gpus == ()  # no GPU here: no GPU fields
+    row = status.ranks_table(job.state)
+    assert "CPU " in row and "RSS " in row
+    assert job.result(timeout=90) == 0
+
+    report = timeline_view.TimelineReport(job.state)
+    text = repr(report)
+    assert "rank 0 |" in text and "rank 1 |" in text and "median per rank: " in text
+    assert "nbdist-timeline-bar" in report._repr_html_()
+    path = tmp_path / "launch.json"
+    print(timeline_view.export_trace(job.state, str(path)))
+    names = check_trace(json.loads(path.read_text()), np=2)
+    for rank in (0, 1):
+        assert in_order(names[rank], LAUNCH), names[rank]
+        marks = job.state.ranks[rank].marks
+        assert marks["scheduled"] < marks["world"] < marks["imports"] < marks["end"] \
+            <= marks["result"] <= marks["delivered"]
+
+    # The same through the magic.
+    ip.run_line_magic("dist_status", f"{job.id} --timeline --trace {tmp_path}/magic.json")
+    check_trace(json.loads((tmp_path / "magic.json").read_text()), np=2)
+    assert state.DONE == job.state.state
