@@ -12,7 +12,13 @@ during the run and once every rank's log ring is full. The newest progress and m
 every rank must be in the state at the end (coalescing may only skip superseded updates), and
 no event lost.
 
+With ``--metrics N`` (issue 16) every event a rank sends is a report of N metrics instead
+(heartbeats apart), and ``--charts`` renders the panel's charts in the driver from the job's
+series (``nbdist.views.charts.ChartsView``, polled ten times a second under the job's lock as
+the panel does): what it costs, how many redraws and how many bytes they would send.
+
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256] [--rate 10] [--seconds 20]
+    .venv/bin/python benchmarks/bench_scale.py --metrics 5 --charts
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ CLIENTS = textwrap.dedent("""
     import json, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
     from nbdist import events, rank, resources
-    host, port, job, secret, ranks, rate, seconds, with_res = sys.argv[1:9]
-    ranks, rate, seconds = int(ranks), float(rate), float(seconds)
+    host, port, job, secret, ranks, rate, seconds, with_res, metrics = sys.argv[1:10]
+    ranks, rate, seconds, metrics = int(ranks), float(rate), float(seconds), int(metrics)
     sample = max(1, round(resources.SAMPLE_S * rate)) if with_res == "1" else 0
     res = {"t": "res", "cpu": 187.5, "rss": 1234567890}
     # The supervisor's own client, with its coalescing: each simulated rank is one EventClient,
@@ -55,6 +61,9 @@ CLIENTS = textwrap.dedent("""
         lambda i: {"t": "progress", "id": 1, "n": i, "total": 1000, "desc": "train"},
         lambda i: {"t": "metrics", "values": {"loss": 0.1, "step": i}},
     ]
+    if metrics:  # a report of `metrics` values on every tick, the first one the tick itself
+        kinds = [lambda i: {"t": "metrics", "step": i, "values": {
+            "step": i, **{f"m{k}": 1.0 / (i + k + 1) for k in range(1, metrics)}}}]
     beat = max(1, round(rank.HEARTBEAT_S * rate))  # ticks between a rank's heartbeats
     print("connected", flush=True)
     start = time.monotonic(); i = 0; sent = 0
@@ -62,7 +71,7 @@ CLIENTS = textwrap.dedent("""
     while time.monotonic() - start < seconds:
         for r, c in enumerate(clients):
             # Heartbeats replace one tick's event, spread over the ranks, so the rate holds.
-            event = {"t": "hb"} if (i + r) % beat == 0 else kinds[i % 3](i)
+            event = {"t": "hb"} if (i + r) % beat == 0 else kinds[i % len(kinds)](i)
             c.send(event)
             if sample and (i + r) % sample == 0:  # besides the tick's event, as a sampler does
                 c.send(res)
@@ -100,6 +109,35 @@ class Channel:
         self.gone.release()
 
 
+class _Charts:
+    """The panel's charts without the panel: polled ten times a second under the job's lock
+    (as ``Panel`` does), redrawn at their own pace; widgets without a front end send
+    nothing, so the bytes are counted here."""
+
+    def __init__(self, job: JobState) -> None:
+        from nbdist.views.charts import ChartsView
+
+        self.job = job
+        self.view = ChartsView(job.series)
+        self.seconds = 0.0  # spent redrawing
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            before = self.view.redraws
+            t = time.perf_counter()
+            with self.job.lock:
+                self.view.render()
+            if self.view.redraws != before:
+                self.seconds += time.perf_counter() - t
+
+    def figures(self, wall: float) -> dict[str, float]:
+        n = max(1, self.view.redraws)
+        return {"chart_redraws": self.view.redraws,
+                "chart_bytes_per_redraw": self.view.bytes_sent / n,
+                "chart_bytes_per_s": self.view.bytes_sent / wall,
+                "chart_ms_per_redraw": 1000 * self.seconds / n}
+
+
 def _cpu(me: psutil.Process) -> float:
     """CPU seconds of this process. ``cpu_times`` counts in clock ticks (10 ms, 0.05 % of a
     20 s run); Linux's scheduler statistics count nanoseconds of each thread."""
@@ -134,6 +172,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="5 seconds")
     parser.add_argument("--no-resources", action="store_true",
                         help="no resources samples (``res`` events), for comparison")
+    parser.add_argument("--metrics", type=int, default=0,
+                        help="every event a report of this many metrics")
+    parser.add_argument("--charts", action="store_true",
+                        help="render the panel's charts from the series meanwhile")
     args = parser.parse_args()
     seconds = 5.0 if args.quick else args.seconds
     me = psutil.Process()
@@ -150,13 +192,22 @@ def main() -> int:
 
     clients = subprocess.Popen(
         [sys.executable, "-c", CLIENTS, *map(str, server.address), "bench", secret,
-         str(args.ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1"],
+         str(args.ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1",
+         str(args.metrics)],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
     assert clients.stdout is not None
     assert clients.stdout.readline().strip() == "connected"
+    drawing = threading.Event()
+    view = _Charts(job) if args.charts else None
+    drawer = threading.Thread(target=view.run, args=(drawing,)) if view else None
     cpu0, t0 = _cpu(me), time.monotonic()
+    if drawer:
+        drawer.start()
     report = json.loads(clients.stdout.readline())
+    drawing.set()
+    if drawer:
+        drawer.join()
     busy_pct = 100 * (_cpu(me) - cpu0) / (time.monotonic() - t0)
     clients.wait()
     clients.stdout.close()
@@ -168,8 +219,13 @@ def main() -> int:
     server.close()
     # Coalescing may skip superseded progress updates, never the newest value of anything.
     stale = [r for r, last in enumerate(report["last"])
-             if job.ranks[r].progress.get(1, {}).get("n") != last.get("progress")
+             if (not args.metrics
+                 and job.ranks[r].progress.get(1, {}).get("n") != last.get("progress"))
              or job.ranks[r].metrics.get("step") != last.get("metrics")]
+    if args.metrics:  # and the newest point of each rank's series is that report's
+        stale += [r for r, last in enumerate(report["last"])
+                  if job.series.points("m1", r)[-1:] and
+                  job.series.points("m1", r)[-1].step != last.get("metrics")]
     per_rank_kb = (rss_busy - rss_empty) / 1024 / args.ranks
     full_kb = _full_logs_kb_per_rank(job, me)
     sent = report["sent"]
@@ -184,7 +240,12 @@ def main() -> int:
                                               (args.ranks * args.rate), 2),
         "driver_memory_kb_per_rank": round(per_rank_kb, 1),
         "driver_memory_kb_per_rank_full_logs": round(full_kb, 1),
+        "metrics_per_report": args.metrics,
+        "series_points_kept": sum(len(s) for name in job.series.names()
+                                  for _, s in job.series.ranks(name)),
     }
+    if view is not None:
+        result.update(view.figures(time.monotonic() - t0))
     text = (
         "| ranks | events/s each | driver CPU (% of a core) | idle baseline | per event sent | "
         "memory per rank (run / full logs) | events sent / delivered / lost |\n"
@@ -193,13 +254,22 @@ def main() -> int:
         f"{result['driver_cpu_us_per_event_sent']:.1f} µs | {per_rank_kb:.1f} KB / "
         f"{full_kb:.0f} KB | {sent} / {channel.received} / {report['dropped']} |\n"
     )
+    if args.metrics:
+        text += (f"\n{args.metrics} metrics a report; {result['series_points_kept']} points "
+                 f"kept in the series of {len(job.series)} metrics.\n")
+    if view is not None:
+        text += (f"charts: {result['chart_redraws']} redraws, "
+                 f"{result['chart_bytes_per_redraw']:.0f} bytes each, "
+                 f"{result['chart_bytes_per_s']:.0f} bytes/s; a redraw took "
+                 f"{result['chart_ms_per_redraw']:.1f} ms.\n")
     if stale:
         text += f"\n{len(stale)} ranks do not show their newest progress or metrics: {stale[:10]}\n"
     print(text)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(result, indent=2))
-    (out / "scale.md").write_text(text)
+    name = "scale-charts" if args.metrics or args.charts else "scale"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(text)
     return 0 if not stale and not report["dropped"] else 1
 
 

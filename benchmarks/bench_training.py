@@ -14,10 +14,16 @@ every step; its time per step is measured inside each rank, so launch time is no
 - **nbdist**: ``nbdist.run(train, np=--np)``: output streamed to the driver, tqdm bridged to
   the panel's progress events.
 
+With ``--charts`` (issue 16) the loop also reports its loss (``nbdist.report``, a no-op under
+the bare launcher) and sets it as the bar's postfix (``set_postfix``, drawn into the bare
+launcher's file) on every step, and the driver renders the panel's charts from the job's
+series while it runs (``nbdist.views.charts.ChartsView``, polled ten times a second).
+
 Reported: the median time per step of each (the mean over a run's ranks), and the median of
 the per-pair ratios. Goal (issue 5): nbdist no more than 3 % slower.
 
     .venv/bin/python benchmarks/bench_training.py [--np 2] [--steps 1000] [--reps 7] [--quick]
+        [--charts]
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +48,14 @@ import nbdist
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def train(steps: int, work: int) -> tuple[float, float]:
-    """``work`` units of CPU, a print and a tqdm update per step; (wall, CPU) s per step."""
+def train(steps: int, work: int, charts: bool = False) -> tuple[float, float]:
+    """``work`` units of CPU, a print and a tqdm update per step; (wall, CPU) s per step.
+    ``charts``: the loss reported and set as the bar's postfix on every step too."""
     import time
 
     from tqdm import tqdm
+
+    import nbdist
 
     def step_work() -> float:
         acc = 0.0
@@ -54,20 +65,24 @@ def train(steps: int, work: int) -> tuple[float, float]:
 
     step_work()  # warm up
     start, cpu = time.perf_counter(), time.process_time()
-    for step in tqdm(range(steps), desc="train"):
+    bar = tqdm(range(steps), desc="train")
+    for step in bar:
         loss = step_work()
         print(f"step {step} loss {loss:.3f}")
+        if charts:
+            nbdist.report(loss=loss / (step + 1))
+            bar.set_postfix(loss=loss / (step + 1), refresh=False)
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
-def bare(steps: int, work: int, np: int, tmp: Path) -> tuple[float, float]:
+def bare(steps: int, work: int, np: int, tmp: Path, charts: bool) -> tuple[float, float]:
     """Mean (wall, CPU) seconds per step of ``train`` in ``np`` plain interpreters."""
     fn = tmp / "train.pkl"
-    fn.write_bytes(cloudpickle.dumps((train, steps, work)))
+    fn.write_bytes(cloudpickle.dumps((train, steps, work, charts)))
     code = textwrap.dedent(f"""
         import os, pickle
-        fn, steps, work = pickle.load(open({str(fn)!r}, "rb"))
-        per_step = fn(steps, work)
+        fn, steps, work, charts = pickle.load(open({str(fn)!r}, "rb"))
+        per_step = fn(steps, work, charts)
         with open(os.environ["RESULT_FILE"], "w") as f:
             f.write(repr(per_step))
     """)
@@ -86,8 +101,25 @@ def bare(steps: int, work: int, np: int, tmp: Path) -> tuple[float, float]:
     return statistics.mean(w for w, _ in results), statistics.mean(c for _, c in results)
 
 
-def under_nbdist(steps: int, work: int, np: int) -> tuple[float, float]:
-    results = nbdist.run(train, steps, work, np=np).results
+def under_nbdist(steps: int, work: int, np: int, charts: bool) -> tuple[float, float]:
+    job = nbdist.run(train, steps, work, charts, np=np)
+    if charts:  # the panel's charts, drawn in this (the driver's) process meanwhile
+        from nbdist.views.charts import ChartsView
+
+        view = ChartsView(job.state.series)
+
+        def draw() -> None:
+            while not job.done():
+                with job.state.lock:
+                    view.render()
+                time.sleep(0.1)  # the panel's pace, not a wait for anything
+
+        drawer = threading.Thread(target=draw)
+        drawer.start()
+    results = job.results
+    if charts:
+        drawer.join()
+        assert view.redraws > 0 and job.state.series.names() == ["loss"]
     return statistics.mean(w for w, _ in results), statistics.mean(c for _, c in results)
 
 
@@ -98,14 +130,16 @@ def main() -> int:
     parser.add_argument("--work", type=int, default=20_000, help="CPU work per step")
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke test")
+    parser.add_argument("--charts", action="store_true",
+                        help="report a metric every step and draw the charts meanwhile")
     args = parser.parse_args()
     steps = args.steps or (200 if args.quick else 1000)
     reps = args.reps or (3 if args.quick else 7)
     pairs: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as d:
         for _ in range(reps):  # interleaved: a change in the machine's load hits both sides
-            (bw, bc), (nw, nc) = bare(steps, args.work, args.np, Path(d)), \
-                under_nbdist(steps, args.work, args.np)
+            (bw, bc), (nw, nc) = bare(steps, args.work, args.np, Path(d), args.charts), \
+                under_nbdist(steps, args.work, args.np, args.charts)
             pairs.append({"bare": bw, "nbdist": nw, "bare_cpu": bc, "nbdist_cpu": nc})
             print(f"bare {bw * 1000:.3f} ms/step, nbdist {nw * 1000:.3f} ms/step "
                   f"({(nw / bw - 1) * 100:+.1f} %)", flush=True)
@@ -113,7 +147,7 @@ def main() -> int:
     ratios = sorted(p["nbdist"] / p["bare"] for p in pairs)
     overhead = (statistics.median(ratios) - 1) * 100
     result: dict[str, Any] = {
-        "np": args.np, "steps": steps, "work": args.work, "reps": reps,
+        "np": args.np, "steps": steps, "work": args.work, "reps": reps, "charts": args.charts,
         "bare_ms_per_step": med["bare"] * 1000, "nbdist_ms_per_step": med["nbdist"] * 1000,
         "bare_cpu_ms_per_step": med["bare_cpu"] * 1000,
         "nbdist_cpu_ms_per_step": med["nbdist_cpu"] * 1000,
@@ -127,7 +161,9 @@ def main() -> int:
         f"{med['bare_cpu'] * 1000:.3f} ms | 1.00× |\n"
         f"| **nbdist** | **{med['nbdist'] * 1000:.3f} ms** | {med['nbdist_cpu'] * 1000:.3f} ms | "
         f"**{1 + overhead / 100:.3f}×** |\n\n"
-        f"{args.np} ranks × {steps} steps, a print and a tqdm update per step; median of {reps} "
+        f"{args.np} ranks × {steps} steps, a print and a tqdm update per step"
+        f"{' (and a reported metric, a postfix and the charts drawn)' if args.charts else ''}"
+        f"; median of {reps} "
         f"interleaved pairs; per-pair overheads: "
         f"{', '.join(f'{x:+.1f} %' for x in result['all_pct'])}. "
         f"Goal ≤ 3 %: {'met' if result['goal_met'] else 'MISSED'}.\n"
@@ -135,8 +171,9 @@ def main() -> int:
     print("\n" + text)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "training.json").write_text(json.dumps(result, indent=2))
-    (out / "training.md").write_text(text)
+    name = "training-charts" if args.charts else "training"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(text)
     return 0
 
 

@@ -806,7 +806,8 @@ def _merge(pending: list[Event], event: Event) -> None:
         if kind == "metrics":
             values, new = old.get("values"), event.get("values")
             if isinstance(values, dict) and isinstance(new, dict):
-                pending[i] = {**old, "values": {**values, **new}}
+                # The newest event's other fields (its step) with both events' values.
+                pending[i] = {**old, **event, "values": {**values, **new}}
                 return
         elif kind == "hb" or old.get("id") == event.get("id"):
             del pending[i]

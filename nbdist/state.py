@@ -19,6 +19,7 @@ from nbdist.protocol import HEARTBEAT_S as HEARTBEAT_S
 from nbdist.protocol import SILENT_AFTER_S as SILENT_AFTER_S
 from nbdist.protocol import RankStatus
 from nbdist.resources import Resources
+from nbdist.series import MetricSeries
 
 LOG_LINES = 1000
 MERGED_LINES = 5000
@@ -100,6 +101,7 @@ class JobState:
         self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
+        self.series = MetricSeries(np, self.created)  # every rank's metrics, for the charts
 
     # -- events ---------------------------------------------------------------------------------
     def apply(self, rank: int, event: dict[str, Any]) -> None:
@@ -123,10 +125,16 @@ class JobState:
                 bar_id = event.get("id", 0)
                 r.bar = bar_id if isinstance(bar_id, int) else 0
                 r.progress[r.bar] = event
+                postfix = event.get("postfix")  # tqdm's set_postfix: metrics at step n
+                if isinstance(postfix, dict):
+                    r.metrics.update(postfix)
+                    step = event.get("step", event.get("n"))  # n, counted on across resets
+                    self.series.add(rank, postfix, step, r.last_seen)
             elif kind == "metrics":
                 values = event.get("values")
                 if isinstance(values, dict):
                     r.metrics.update(values)
+                    self.series.add(rank, values, event.get("step"), r.last_seen)
             elif kind == "state":
                 self._rank_state(r, event)
             elif kind == "res":
@@ -230,6 +238,7 @@ class JobState:
             self.state = state
             self.reason = reason
             self.ended = time.time()
+            self.series.flush(self.ended)
             for (rank, stream), text in list(self._partial.items()):
                 if text:  # close lines that never got their newline
                     self._output(self.ranks[rank], stream, [["", "\n"]])

@@ -31,7 +31,7 @@ from typing import Any
 import ipywidgets as w
 
 from nbdist.state import CANCELLED, DONE, FAILED, FINAL, JobState, RankState
-from nbdist.views import status
+from nbdist.views import charts, status
 from nbdist.views._background import BackgroundRenderer
 
 #: Renders per second at most, whatever the event rate.
@@ -219,7 +219,8 @@ class Panel(BackgroundRenderer):
         if self.collapsed:
             children.append(self.summary)
         children += [r.box for r in self.rows]
-        children.append(self.logs)
+        self.charts = charts.ChartsView(job.series)  # paced on its own (views/charts.py)
+        children += [self.charts.widget, self.logs]
         self.widget = _PanelBox(children, _dom_classes=("nbdist-panel", f"nbdist-job-{job.id}"))
         self.widget.job_id = job.id
         self.render()
@@ -265,7 +266,8 @@ class Panel(BackgroundRenderer):
             # A rank falling silent changes no state: it is the absence of events.
             version = (job.version, tuple(job.silent_ranks()))
             if version == self._version and not final:
-                return self._render_header()  # the elapsed time moves on
+                # The elapsed time moves on; charts held back by their pace catch up.
+                return self._render_header() + self.charts.render()
             self._version = version
             self.renders += 1
             sent = self._render_header()
@@ -274,6 +276,7 @@ class Panel(BackgroundRenderer):
                 self.shown = _worth_showing(job, len(self.rows))
             for row, rank in zip(self.rows, self.shown, strict=False):
                 sent += row.show(job.ranks[rank])
+            sent += self.charts.render(final=final)
             sent += self._render_logs(final)
         if final:
             state = job.state if job.state in FINAL else CANCELLED
@@ -346,7 +349,9 @@ class _Static:
     def _repr_html_(self) -> str:
         if isinstance(self.job, str):
             return self.job
-        return status.summary_html(self.job)
+        with self.job.lock:
+            curves = charts.static_html(self.job.series)
+        return status.summary_html(self.job) + curves
 
     def __repr__(self) -> str:
         if isinstance(self.job, str):
