@@ -7,6 +7,7 @@ The tree::
      │    ├── CaptureError      a name the cell uses cannot be shipped to the ranks
      │    ├── CapacityError     more ranks than the backend can run at once
      │    ├── LaunchError       a backend could not start the ranks
+     │    ├── SessionError      the session cannot run the cell: broken, stopped or busy
      │    └── ValuesDroppedError  a finished job's values were let go to bound memory
      ├── RuntimeError
      │    └── DistributedError  one or more ranks failed, timed out or were cancelled
@@ -71,6 +72,13 @@ class OutputLostWarning(UserWarning):
 
 class CapacityError(NbdistError):
     """More ranks were asked for than the backend can run at the same time."""
+
+
+class SessionError(NbdistError):
+    """The session cannot run the cell: it is broken, stopped, or busy with another cell."""
+
+    def _render_traceback_(self) -> list[str]:
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class LaunchError(NbdistError):

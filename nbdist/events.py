@@ -10,11 +10,11 @@ A small authenticated JSON-lines protocol over TCP; nothing on it is ever unpick
    ``AUTH_DEADLINE_S``, in at most ``MAX_HELLO_BYTES``, is closed and counted in
    :attr:`EventServer.rejected`; so is one that breaks any rule of the protocol, whatever it
    sent: handling one connection never stops the server.
-3. Then both sides send one JSON value per line: an event object, or (rank → driver, from
-   protocol version 2) an array of event objects sent together. Rank → driver: output batches,
+3. Then both sides send one JSON value per line: an event object, or (rank → driver) an
+   array of event objects sent together. Rank → driver: output batches,
    progress, metrics, state changes, heartbeats. Driver → rank: the rendezvous answer
    (``world``), ``cancel``, and ``ping`` (a remote job's keepalive; see ``nbdist.job``).
-4. From protocol version 3, an event (alone on its line) with ``"raw": N`` is followed by N
+4. An event (alone on its line) with ``"raw": N`` is followed by N
    raw bytes (at most ``MAX_BLOCK_BYTES``), handed to the job as the event's ``data``: how a
    session cell's value travels in pieces without base64 or JSON (``nbdist.values``).
 
@@ -585,14 +585,20 @@ class EventClient:
             mac = sign(secret, nonce, job_id, rank)
             hello = {**hello, "t": "hello", "job": job_id, "rank": rank, "mac": mac}
             self._sock.sendall(encode(hello))
+            version = challenge.get("v")
+            if version != PROTOCOL_VERSION:
+                # Ranks run the notebook's own nbdist (the same installation, or one Spark's
+                # executors import from the same release): no older protocol is spoken.
+                raise ConnectionError(
+                    f"the nbdist event server at {address[0]}:{address[1]} speaks protocol "
+                    f"{version}, this rank {PROTOCOL_VERSION}: install the same nbdist version "
+                    f"on the driver and the ranks")
         except BaseException:
             self._reader.close()
             self._sock.close()
             raise
-        version = challenge.get("v")
-        #: The server's protocol version: before 2 it takes one event per line; from 3 an
-        #: event may carry binary ``data`` (see the module docstring).
-        self.protocol = version if isinstance(version, int) else 1
+        #: The server's protocol version (always ``PROTOCOL_VERSION``; see the module docstring).
+        self.protocol: int = version
         self._pending: list[Event] = []
         self._pending_bytes = 0
         self._urgent = False  # something in _pending must go without waiting LAZY_S
@@ -615,18 +621,17 @@ class EventClient:
         """Queue ``event`` for the driver; False (and counted) when the channel is down.
 
         An event whose ``data`` is bytes (at most ``MAX_BLOCK_BYTES``) travels as a binary
-        block, to a server of protocol 3 or later (False and counted otherwise).
+        block.
         """
         kind = event.get("t")
         size = len(event.get("text") or "") + 100  # what matters is the output text
         data = event.get("data")
-        binary = isinstance(data, (bytes, bytearray, memoryview))
         if isinstance(data, (bytes, bytearray, memoryview)):
             size += memoryview(data).nbytes
         with self._cond:
             while self._pending_bytes > MAX_PENDING_BYTES and self.alive:
                 self._cond.wait()  # the driver is behind: wait rather than pile up
-            if not self.alive or (binary and self.protocol < 3):
+            if not self.alive:
                 self.dropped += 1
                 return False
             if not self._pending:
@@ -668,7 +673,7 @@ class EventClient:
             if len(batch) > 1:  # a heartbeat says nothing that another event does not
                 batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
             try:
-                for data in _lines(batch, self.protocol >= 2):
+                for data in _lines(batch):
                     self._sock.sendall(data)
             except OSError:
                 with self._cond:
@@ -754,9 +759,9 @@ def _append_output(pending: list[Event], event: Event) -> bool:
     return False
 
 
-def _lines(events: list[Event], arrays: bool) -> list[bytes | bytearray | memoryview]:
+def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
     """What one write carries: the events as arrays of up to ``BATCH_LINE_BYTES`` per line
-    (each far below the server's ``MAX_LINE_BYTES``), or one per line for an old driver; an
+    (each far below the server's ``MAX_LINE_BYTES``); an
     event with binary ``data`` alone on its line, ``"raw": N`` in place of the data, followed
     by the N bytes (as they are: joining them with the lines would copy them)."""
     out: list[bytes | bytearray | memoryview] = []
@@ -781,7 +786,7 @@ def _lines(events: list[Event], arrays: bool) -> list[bytes | bytearray | memory
             text.clear()
             continue
         p = json.dumps(e, separators=(",", ":"), ensure_ascii=False).encode()
-        if groups[-1] and (not arrays or size + len(p) > BATCH_LINE_BYTES):
+        if groups[-1] and size + len(p) > BATCH_LINE_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(p)

@@ -316,7 +316,6 @@ class Supervisor:
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
         self._signer: Any = None  # the running HMAC of the session value being forwarded
-        self._refused: str | None = None  # why a session value cannot go to this driver
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
@@ -669,14 +668,6 @@ class Supervisor:
         """A session cell's value follows in pieces (``nbdist.values``): announce it."""
         self._cell_output_sent()
         sizes = [int(s) for s in event.get("sizes") or ()]
-        client = self._client
-        if client is not None and client.protocol < 3:
-            self._signer = None
-            self._refused = (
-                f"rank {self.spec.rank}'s nbdist is newer than the notebook's (event protocol "
-                f"{client.protocol}, values need 3): install the same nbdist version on both"
-            )
-            return
         self._signer = values.signer(self.spec.secret, self._cell or 0, sizes)
         self._send(t="cell_value", cell=self._cell, sizes=sizes, type=self._result_type)
 
@@ -690,7 +681,6 @@ class Supervisor:
         (after the value's pieces)."""
         cell, self._cell = self._cell, None
         signer, self._signer = self._signer, None
-        refused, self._refused = self._refused, None
         rss = self._rank_rss()  # what the cell left, for %dist_session
         if kind == runtime.ERROR:
             self._cell_output_sent()
@@ -698,7 +688,7 @@ class Supervisor:
         elif signer is None:
             self._send(t="cell_error", cell=cell, rss=rss, error={
                 "type": "RuntimeError", "traceback": "",
-                "message": refused or "the cell's value was not announced"})
+                "message": "the cell's value was not announced"})
         else:
             self._send(t="cell_result", cell=cell, type=self._result_type,
                        mac=signer.hexdigest(), rss=rss)

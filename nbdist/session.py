@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist import _pickling, events, state, values
-from nbdist.errors import DistributedError, NbdistError
+from nbdist.errors import DistributedError
+from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
     Job,
     choose_launcher,
@@ -53,13 +54,6 @@ INTERRUPT_GRACE_S = 5.0
 STOP_S = 10.0
 #: The idle-timeout warning comes this long before the session is stopped (or at half way).
 IDLE_WARNING_S = 60.0
-
-
-class SessionError(NbdistError):
-    """The session cannot run the cell: it is broken, stopped, or busy with another cell."""
-
-    def _render_traceback_(self) -> list[str]:
-        return f"{type(self).__name__}: {self}".splitlines()
 
 
 _current: Session | None = None

@@ -118,8 +118,6 @@ class JobState:
                 text = event.get("text")
                 if isinstance(text, str):
                     self._output_text(r, str(event.get("s", "o")), text)
-                else:
-                    self._output(r, str(event.get("s", "o")), event.get("seg") or [])
             elif kind == "progress":
                 # The event itself is the bar (n, total, desc, rate, elapsed): no copy.
                 bar_id = event.get("id", 0)
@@ -197,12 +195,9 @@ class JobState:
         if rest:
             self._output(r, stream, [[rest, ""]])
 
-    def _output(self, r: RankState, stream: str, segs: list[Any]) -> None:
+    def _output(self, r: RankState, stream: str, segs: list[list[str]]) -> None:
         key = (r.rank, stream)
-        for seg in segs:
-            if not isinstance(seg, list) or len(seg) != 2:
-                continue
-            text, end = str(seg[0]), str(seg[1])
+        for text, end in segs:
             text = self._partial.pop(key, "") + text
             if end == "\r":
                 # A redraw: what follows replaces this line, which never reaches the log (the

@@ -7,7 +7,8 @@ from nbdist.state import JobState
 
 
 def out(*segs: tuple[str, str], s: str = "o") -> dict[str, object]:
-    return {"t": "out", "s": s, "seg": [list(x) for x in segs]}
+    """An output event as a supervisor sends it: segments (text, end) joined into one text."""
+    return {"t": "out", "s": s, "text": "".join(text + end for text, end in segs)}
 
 
 def test_lines_progress_metrics_and_states_are_folded_in() -> None:
@@ -81,7 +82,7 @@ def test_bad_events_are_ignored() -> None:
     """Events for unknown ranks or of unknown shape change nothing."""
     job = JobState("j", "local", 1)
     job.apply(5, out(("x", "\n")))
-    job.apply(0, {"t": "out", "seg": ["not a pair", [1]]})
+    job.apply(0, {"t": "out", "text": ["not a text", 1]})
     job.apply(0, {"t": "metrics", "values": "nope"})
     assert job.ranks[0].lines == 0 and job.ranks[0].metrics == {}
 
