@@ -23,33 +23,15 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Any, Literal
+
+from nbdist.protocol import CarriedHandler, CarriedLogging
 
 #: The attribute that marks a handler nbdist added from the notebook's configuration.
 CARRIED = "_nbdist_carried"
 _STYLES: dict[type[Any], Literal["%", "{", "$"]] = {
     logging.PercentStyle: "%", logging.StrFormatStyle: "{", logging.StringTemplateStyle: "$",
 }
-
-
-@dataclass(frozen=True)
-class CarriedHandler:
-    """A root handler of the notebook that writes to ``stream``, with its level and format."""
-
-    stream: Literal["stdout", "stderr"]
-    level: int
-    fmt: str | None
-    datefmt: str | None
-    style: Literal["%", "{", "$"] = "%"
-
-
-@dataclass(frozen=True)
-class CarriedLogging:
-    """The notebook's root logging configuration, as it travels in a cell's payload."""
-
-    level: int
-    handlers: tuple[CarriedHandler, ...]
 
 
 def snapshot() -> CarriedLogging | None:

@@ -47,7 +47,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -564,7 +564,7 @@ class EventClient:
         job_id: str,
         rank: int,
         secret: str,
-        hello: Event,
+        hello: Mapping[str, Any],
         on_message: Callable[[Event], None],
         timeout: float = 10.0,
     ) -> None:

@@ -7,7 +7,6 @@ views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) u
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import pickle
@@ -16,13 +15,15 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbdist import _pickling, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Launcher, LaunchRequest, payload_env, payload_modules
+from nbdist.protocol import CallPayload, Payload
 from nbdist.rank import RankOutcome
+from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
 #: Finished jobs kept for %dist_status; older ones are forgotten.
@@ -41,82 +42,6 @@ DRAIN_S = 10.0
 PING_S = state.HEARTBEAT_S
 
 _ids = itertools.count(1)
-
-#: How often the wait loop wakes to call ``on_tick`` (views render there, ~10 times a second).
-TICK_S = 0.1
-
-# Per thread: how many nbdist waits this thread is inside. The SIGINT handler runs in the main
-# thread, so what it reads is the main thread's: whether the kernel is waiting on nbdist.
-_waits = threading.local()
-
-
-@contextlib.contextmanager
-def waiting() -> Iterator[None]:
-    """Mark this thread as waiting on an nbdist handle (re-entrant).
-
-    While the main thread is marked, the notebook's stop button is nbdist's to handle: the
-    Spark launcher's SIGINT guard (``launch/spark.py``) then raises KeyboardInterrupt alone,
-    instead of pyspark's handler, which cancels every Spark job of the session.
-    """
-    _waits.depth = getattr(_waits, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _waits.depth -= 1
-
-
-def is_waiting() -> bool:
-    """True while this thread is inside :func:`waiting` (the main thread: in a cell's wait)."""
-    return getattr(_waits, "depth", 0) > 0
-
-
-def wait_loop(
-    done: threading.Event,
-    timeout: float | None,
-    on_tick: Callable[[], None] | None,
-    *,
-    cancel: Callable[[str], None],
-    teardown_s: float,
-    force: Callable[[], None] | None = None,
-) -> bool:
-    """The one loop that waits on a job, a session cell or a session start.
-
-    Returns True once ``done`` is set, False when ``timeout`` passed first. ``on_tick`` is
-    called about ten times a second while waiting, and once at the end (views render there).
-    A KeyboardInterrupt (the stop button) calls ``cancel``, keeps ticking until ``done`` or
-    ``teardown_s`` passed, and re-raises; a second one during that wait calls ``force`` (when
-    given: a teardown that does not wait for the ranks' cooperation) and waits again.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with waiting():
-        try:
-            while not done.wait(TICK_S):
-                if on_tick is not None:
-                    on_tick()
-                if deadline is not None and time.monotonic() >= deadline:
-                    return False
-        except KeyboardInterrupt:
-            cancel("interrupted from the notebook")
-            try:  # the view stays live: what the ranks print as they stop is shown
-                _tick_until(done, teardown_s, on_tick)
-            except KeyboardInterrupt:
-                if force is None:
-                    raise
-                force()
-                _tick_until(done, teardown_s, on_tick)
-            raise
-    if on_tick is not None:
-        on_tick()
-    return True
-
-
-def _tick_until(done: threading.Event, timeout: float, on_tick: Callable[[], None] | None
-                ) -> None:
-    deadline = time.monotonic() + timeout
-    while not done.wait(TICK_S) and time.monotonic() < deadline:
-        if on_tick is not None:
-            on_tick()
-
 
 class Handle(Protocol):
     """What the magics and views use of a job: a :class:`Job`, or a session's cell."""
@@ -243,7 +168,7 @@ class Job:
 
     def __init__(
         self,
-        payload: dict[str, Any],
+        payload: Payload | None,
         np: int,
         launcher: Launcher,
         *,
@@ -292,7 +217,8 @@ class Job:
         self._heartbeat = launch.heartbeat_timeout() if launcher.remote else None
 
         launcher.check(np, self.gpu)
-        body = b"" if session else _pickling.dumps(payload)
+        # A session's ranks start without a payload: its cells follow on the event channel.
+        body = b"" if payload is None else _pickling.dumps(payload)
         self.address = launcher.driver_address()
         self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
@@ -302,9 +228,9 @@ class Job:
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
             # What the cell sets in os.environ first thing (KERAS_BACKEND, ...) is given to the
             # ranks from the start, so that modules imported ahead see it too.
-            payload=body, gpu=self.gpu, env={**self._env, **payload_env(payload)},
-            run_id=self.run_id,
-            modules=payload_modules(payload), session=session,
+            payload=body, gpu=self.gpu,
+            env={**self._env, **(payload_env(payload) if payload else {})}, run_id=self.run_id,
+            modules=payload_modules(payload) if payload else (), session=session,
             heartbeat_timeout=self._heartbeat,
         )
         try:
@@ -730,7 +656,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def start(
-    payload: dict[str, Any],
+    payload: Payload,
     np: int,
     *,
     backend: str = "auto",
@@ -787,6 +713,6 @@ def run(
     Job
         ``.result()`` is rank 0's return value, ``.results`` every rank's.
     """
-    payload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
     return start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
                  label=getattr(fn, "__name__", "fn"), mlflow=mlflow)

@@ -19,11 +19,12 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, events, launch
+from nbdist import _logcarry, events, launch, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError
+from nbdist.protocol import Payload, ScriptPayload
 from nbdist.views import status
 from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
@@ -282,12 +283,12 @@ class DistMagics(Magics):
                       f"torchrun --nproc-per-node {np} {opts.export}")
             if opts.show_source or opts.export:
                 return None
-            payload = captured.payload()
-            payload["logging"] = _logcarry.snapshot()  # as the environment is carried
-        return self._run(payload, opts, returns=cell is not None and payload["returns_last"],
-                         on=on)
+            cell_payload = captured.payload()
+            cell_payload["logging"] = _logcarry.snapshot()  # as the environment is carried
+            return self._run(cell_payload, opts, returns=cell_payload["returns_last"], on=on)
+        return self._run(payload, opts, returns=False, on=on)
 
-    def _script_payload(self, opts: Options) -> dict[str, Any]:
+    def _script_payload(self, opts: Options) -> ScriptPayload:
         if not opts.script:
             raise UsageError("%distributed needs a script in its line form: "
                              "%distributed -np 4 train.py --lr 0.01")
@@ -299,7 +300,7 @@ class DistMagics(Magics):
         return {"kind": "script", "path": path, "argv": opts.script_args}
 
     def _run(
-        self, payload: dict[str, Any], opts: Options, *, returns: bool,
+        self, payload: Payload, opts: Options, *, returns: bool,
         on: sessions.Session | None = None,
     ) -> Any:
         job: jobs.Handle
@@ -315,8 +316,8 @@ class DistMagics(Magics):
         view = None
         # From here on an interrupt (the stop button) may land anywhere, also while the view
         # is being built: every path must cancel the job, not leave it running, and on Spark
-        # the stop button must stop this job only (jobs.waiting: see launch/spark.py).
-        with jobs.waiting():
+        # the stop button must stop this job only (nbdist.waiting: see launch/spark.py).
+        with waiting.waiting():
             try:
                 view = None if opts.quiet else self._view(job)
                 if opts.bg:

@@ -13,11 +13,29 @@ A rank's status moves forward only::
 
 ``pending``: the driver asked for the rank; ``starting``: its supervisor runs and is starting the
 interpreter; ``running``: the interpreter runs the payload; then one final status.
+
+The boundaries, and what crosses each (all defined below):
+
+- notebook → rank, in the launch request (a pipe, or Spark's closure): a **payload**
+  (``CellPayload``, ``ScriptPayload``, ``CallPayload``; a session's cells, pulls and pushes
+  travel on the event channel as ``{"t": "cell"}`` with the same payloads inside);
+- supervisor ↔ rank interpreter, on two pipes: length-prefixed **frames** (``write_frame``,
+  ``read_frame``; the kinds are the ``Frame`` constants); the environment frame is ``EnvFrame``,
+  an error ``ErrorRecord``;
+- rank ↔ driver, on the event channel (``nbdist.events``): JSON **events**, each a ``t`` word
+  and its fields (``HelloEvent``, ``OutEvent``, ``ProgressEvent``, ``MetricsEvent``,
+  ``StateEvent``, ...; driver → rank: ``WorldEvent``, ``CellEvent``, ``cancel``, ``pace``,
+  ``ping``). What arrives from the network is checked where it is read (``state.JobState.apply``
+  ignores what does not fit), so the receiving side takes a plain mapping and the sending side
+  builds these types.
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any, BinaryIO, Literal, TypedDict
 
 
 class RankStatus(str, Enum):
@@ -64,3 +82,217 @@ HEARTBEAT_S = 5.0
 #: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:
 #: its supervisor, its host or the network to the driver is stuck or gone.
 SILENT_AFTER_S = 3 * HEARTBEAT_S
+
+
+# -- frames: supervisor ↔ rank interpreter --------------------------------------------------------
+_HEADER = struct.Struct(">IB")
+
+
+class Frame:
+    """The kinds of frame on the pipes between a supervisor and its rank's interpreter."""
+
+    PAYLOAD = ord("P")  #: supervisor → rank: a pickled payload
+    QUIT = ord("Q")  #: supervisor → rank: no more payloads
+    ENV = ord("V")  #: supervisor → rank: JSON ``EnvFrame``, set before the next payload runs
+    WARM = ord("W")  #: supervisor → rank: JSON list of modules to import while waiting
+    INTERRUPT = ord("I")  #: supervisor → rank: the number of a session cell to interrupt
+    EVENT = ord("E")  #: rank → supervisor: a JSON event
+    #: rank → supervisor: the pickled value of a payload (a session's: empty, after its pieces)
+    RESULT = ord("R")
+    PIECE = ord("B")  #: rank → supervisor: a piece of a session cell's value (``nbdist.values``)
+    ERROR = ord("X")  #: rank → supervisor: JSON ``ErrorRecord``
+
+
+def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview) -> None:
+    """Write one frame (length, kind, body) and flush it."""
+    f.write(_HEADER.pack(len(body), kind))
+    f.write(body)
+    f.flush()
+
+
+def read_frame(f: BinaryIO) -> tuple[int, bytes] | None:
+    """The next frame, or None at end of file."""
+    head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    size, kind = _HEADER.unpack(head)
+    body = f.read(size)
+    if len(body) < size:
+        return None
+    return kind, body
+
+
+class EnvFrame(TypedDict, total=False):
+    """The rank's environment and working directory (``Frame.ENV``)."""
+
+    env: dict[str, str]
+    cwd: str
+
+
+class ErrorRecord(TypedDict):
+    """How a rank's exception travels: its type name, message and the user's traceback
+    (without nbdist's frames); ``Frame.ERROR``, a ``cell_error`` event, a Spark task's fields."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+# -- payloads: what a rank runs -------------------------------------------------------------------
+@dataclass(frozen=True)
+class CarriedHandler:
+    """A root handler of the notebook that writes to ``stream``, with its level and format."""
+
+    stream: Literal["stdout", "stderr"]
+    level: int
+    fmt: str | None
+    datefmt: str | None
+    style: Literal["%", "{", "$"] = "%"
+
+
+@dataclass(frozen=True)
+class CarriedLogging:
+    """The notebook's root logging configuration, as it travels in a cell's payload
+    (``nbdist._logcarry``)."""
+
+    level: int
+    handlers: tuple[CarriedHandler, ...]
+
+
+class SessionKeys(TypedDict, total=False):
+    """What a session adds to each payload it sends its ranks."""
+
+    session: bool  # run in the session's namespace, which lives as long as the interpreter
+    keep: bool
+    cell: int  # the session cell's number
+
+
+class _Cell(SessionKeys):
+    kind: Literal["cell"]
+    source: str
+    filename: str
+
+
+class CellPayload(_Cell, total=False):
+    """A notebook cell (``nbdist.capture``): its source, the imports to replay and the values
+    it reads, pickled in ``data`` in the order of ``value_names``."""
+
+    line_offset: int  # lines above the cell body (the %%distributed line)
+    flags: int  # compiler flags of the notebook's ``__future__`` features
+    imports: list[tuple[str, str, str | None]]  # (name, module, attribute)
+    submodules: list[str]
+    data: bytes
+    value_names: list[str]
+    returns_last: bool
+    logging: CarriedLogging | None
+
+
+class _Script(SessionKeys):
+    kind: Literal["script"]
+    path: str
+
+
+class ScriptPayload(_Script, total=False):
+    """``%distributed train.py ARGS``: a script file run as ``__main__``."""
+
+    argv: list[str]
+
+
+class _Call(SessionKeys):
+    kind: Literal["call"]
+    fn: Any  # a callable, pickled by value (cloudpickle)
+
+
+class CallPayload(_Call, total=False):
+    """``nbdist.run(fn, *args, **kwargs)``."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class PullPayload(SessionKeys):
+    """``%dist_pull NAME --rank R``: a session variable's value from one rank."""
+
+    kind: Literal["pull"]
+    name: str
+    rank: int
+
+
+class PushPayload(SessionKeys):
+    """``%dist_push NAME``: set a session variable on every rank to the notebook's value."""
+
+    kind: Literal["push"]
+    name: str
+    data: bytes
+
+
+Payload = CellPayload | ScriptPayload | CallPayload | PullPayload | PushPayload
+
+
+# -- events: rank ↔ driver, on the event channel --------------------------------------------------
+class HelloEvent(TypedDict, total=False):
+    """A supervisor's hello: where and what it runs on, and ports it holds for the rank."""
+
+    host: str
+    pid: int
+    cpus: int
+    gpus: list[int | str]
+    tf_port: int  # held for the rank's TensorFlow worker (``TF_CONFIG``)
+    port: int  # rank 0: a free port for ``MASTER_PORT``
+    executor: str  # Spark: the executor's id
+
+
+class OutEvent(TypedDict):
+    """Rank output: a batch of lines of one stream (``o`` stdout, ``e`` stderr); a line ends
+    with ``\n``, ``\r`` (a redraw) or not at all (flushed before its end)."""
+
+    t: Literal["out"]
+    s: Literal["o", "e"]
+    text: str
+
+
+class ProgressEvent(TypedDict, total=False):
+    """A progress bar's latest state (``nbdist.progress``, tqdm)."""
+
+    t: Literal["progress"]
+    id: int
+    n: int
+    total: int | None
+    desc: str | None
+    rate: float | None
+    elapsed: float
+    step: int  # n counted on across the bar's resets
+    postfix: dict[str, Any]  # tqdm's set_postfix: metrics at step n
+
+
+class MetricsEvent(TypedDict, total=False):
+    """``nbdist.report(**values)``."""
+
+    t: Literal["metrics"]
+    values: dict[str, Any]
+    step: int | None
+
+
+class StateEvent(TypedDict, total=False):
+    """A rank's status moved (``RankStatus`` words, and ``ready`` for a session rank)."""
+
+    t: Literal["state"]
+    state: str
+    pid: int
+    host: str
+    exit: int | None
+
+
+class WorldEvent(TypedDict):
+    """Driver → rank, after every hello: the rank's environment (``nbdist.world``)."""
+
+    t: Literal["world"]
+    env: dict[str, str]
+
+
+class CellEvent(TypedDict):
+    """Driver → session rank: run a payload (pickled, base64 text) as cell ``id``."""
+
+    t: Literal["cell"]
+    id: int
+    payload: str

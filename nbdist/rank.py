@@ -18,7 +18,6 @@ Imports only the standard library and psutil: it runs inside Spark's Python work
 from __future__ import annotations
 
 import base64
-import codecs
 import collections
 import json
 import os
@@ -35,14 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from nbdist import events, runtime, state, timeline, values
+from nbdist import events, protocol, timeline, values
+from nbdist.lines import LineBatcher, cut_long_lines
+from nbdist.protocol import Frame, HelloEvent, read_frame, write_frame
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
-#: Output lines longer than this are cut (the rest is counted, not sent).
-MAX_LINE_CHARS = 16 * 1024
-#: A partial line is sent after this long without a newline, so prompts and dots show up live.
-PARTIAL_AFTER_S = 0.2
 #: Output is sent at most once per this interval per stream while lines keep coming; a line
 #: after a quiet spell goes at once. A rank printing in a tight loop then costs the driver one
 #: event per few thousand lines instead of one per line.
@@ -53,7 +50,7 @@ PIPE_BYTES = 1 << 20
 #: A running rank's supervisor says it is alive this often, even when the rank is silent, so
 #: the driver can tell a quiet rank from a lost one: the driver's state expects this pace and
 #: shows a rank it has not heard of for three heartbeats as silent.
-HEARTBEAT_S = state.HEARTBEAT_S
+HEARTBEAT_S = protocol.HEARTBEAT_S
 #: How often a session's supervisor checks that the driver is still there.
 DRIVER_CHECK_S = 0.5
 #: How long the output pumps may read on after the rank and everything it started are gone:
@@ -145,10 +142,10 @@ class RankProcess:
 
     def _read(self, f: Any) -> None:
         with f:
-            while (frame := runtime.read_frame(f)) is not None:
-                if frame[0] == runtime.PIECE:
+            while (frame := read_frame(f)) is not None:
+                if frame[0] == Frame.PIECE:
                     self._room.acquire()  # released by piece_done, once forwarded
-                if frame[0] == runtime.EVENT and b'"warm"' in frame[1]:
+                if frame[0] == Frame.EVENT and b'"warm"' in frame[1]:
                     try:
                         if json.loads(frame[1]).get("t") == "warm":
                             self.warm.set()
@@ -172,7 +169,7 @@ class RankProcess:
     def send(self, kind: int, body: bytes) -> bool:
         """Write a frame; False if the interpreter is gone."""
         try:
-            runtime.write_frame(self.ctl_in, kind, body)
+            write_frame(self.ctl_in, kind, body)
         except (BrokenPipeError, ValueError):  # ValueError: already closed
             return False
         return True
@@ -341,13 +338,13 @@ class Supervisor:
             return
         if kind == "cell":
             self._cell = int(msg["id"])
-            if not rp.send(runtime.PAYLOAD, base64.b64decode(msg["payload"])):
+            if not rp.send(Frame.PAYLOAD, base64.b64decode(msg["payload"])):
                 pass  # the rank is gone; its exit ends the session with the reason
         elif kind == "interrupt":  # the rank's code gets a KeyboardInterrupt
-            rp.send(runtime.INTERRUPT, str(int(msg["id"])).encode())
+            rp.send(Frame.INTERRUPT, str(int(msg["id"])).encode())
         elif kind == "quit":
             self._quitting = True
-            rp.send(runtime.QUIT, b"")
+            rp.send(Frame.QUIT, b"")
 
     def mark(self, name: str, at: float | None = None) -> None:
         """Stamp a moment of the launch (``nbdist.timeline``); the first stamp of each counts.
@@ -417,9 +414,9 @@ class Supervisor:
             if self._client is not None:
                 self._client.close()
 
-    def _hello(self) -> dict[str, Any]:
+    def _hello(self) -> HelloEvent:
         spec = self.spec
-        hello: dict[str, Any] = {
+        hello: HelloEvent = {
             "host": spec.host, "pid": os.getpid(), "cpus": os.cpu_count() or 1,
             "gpus": list(spec.gpus),
         }
@@ -442,13 +439,13 @@ class Supervisor:
         if held is not None:
             held.close()
 
-    def _connect(self, hello: dict[str, Any]) -> None:
+    def _connect(self, hello: HelloEvent) -> None:
         spec = self.spec
         self._client = events.EventClient(
             spec.driver, spec.job_id, spec.rank, spec.secret, hello, self._on_message
         )
 
-    def _world_without_channel(self, gather: Gather, hello: dict[str, Any]) -> None:
+    def _world_without_channel(self, gather: Gather, hello: HelloEvent) -> None:
         """The rendezvous through the backend (``gather``), planned here as the driver would."""
         spec = self.spec
         try:
@@ -552,9 +549,9 @@ class Supervisor:
         # rendezvous and sets it itself before running anything of the user's.
         env = json.dumps({"env": {**spec.env, **world}, "cwd": spec.cwd}).encode()
         if spec.session:
-            rp.send(runtime.ENV, env)  # cells follow from the driver (_session_message)
-        elif not (rp.send(runtime.ENV, env) and rp.send(runtime.PAYLOAD, spec.payload)
-                  and rp.send(runtime.QUIT, b"")):
+            rp.send(Frame.ENV, env)  # cells follow from the driver (_session_message)
+        elif not (rp.send(Frame.ENV, env) and rp.send(Frame.PAYLOAD, spec.payload)
+                  and rp.send(Frame.QUIT, b"")):
             pass  # the rank died at start-up; its exit status and stderr will say why
         self._ctl_thread = threading.Thread(
             target=self._read_control, args=(rp,), daemon=True
@@ -621,7 +618,7 @@ class Supervisor:
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:
             kind, body = frame
-            if kind == runtime.EVENT:
+            if kind == Frame.EVENT:
                 try:
                     event = json.loads(body)
                 except ValueError:
@@ -644,15 +641,15 @@ class Supervisor:
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._send(**event)
-            elif kind == runtime.PIECE:
+            elif kind == Frame.PIECE:
                 self._cell_piece(body)
                 rp.piece_done()
-            elif self.spec.session and kind in (runtime.RESULT, runtime.ERROR):
+            elif self.spec.session and kind in (Frame.RESULT, Frame.ERROR):
                 self._cell_ended(kind, body)
-            elif kind == runtime.RESULT:
+            elif kind == Frame.RESULT:
                 self._result = body
                 self.mark(timeline.RESULT)
-            elif kind == runtime.ERROR:
+            elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
 
@@ -682,7 +679,7 @@ class Supervisor:
         cell, self._cell = self._cell, None
         signer, self._signer = self._signer, None
         rss = self._rank_rss()  # what the cell left, for %dist_session
-        if kind == runtime.ERROR:
+        if kind == Frame.ERROR:
             self._cell_output_sent()
             self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
         elif signer is None:
@@ -703,18 +700,12 @@ class Supervisor:
     def _pump(self, pipe: Any, stream: str) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
 
-        Sends ``{"t": "out", "s": stream, "text": chunk}``: the chunk holds lines ended by
-        ``\\n``, ``\\r\\n`` or ``\\r``, possibly followed by an unfinished line that waited
-        ``PARTIAL_AFTER_S`` (a prompt, a row of dots). The driver splits it.
+        Sends ``{"t": "out", "s": stream, "text": chunk}``; what a chunk holds is
+        ``lines.LineBatcher``'s business. The driver splits it.
         """
         fd = pipe.fileno()
         _grow_pipe(fd)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        pending = ""  # decoded, not sent yet
-        brk = 0  # length of the whole lines at the start of ``pending``
-        last_sent = 0.0
-        partial_since = 0.0  # when the unfinished rest of ``pending`` started waiting
-        cut = 0  # characters dropped from a line longer than MAX_LINE_CHARS, until it ends
+        batcher = LineBatcher(self._strip_sync if self.spec.session else None)
         stopping = False  # the supervisor said stop: one more read of what is there
         # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
         # pipe descriptors above select's FD_SETSIZE, which it refuses.
@@ -722,67 +713,34 @@ class Supervisor:
             sel.register(fd, selectors.EVENT_READ)
             sel.register(self._stop_r, selectors.EVENT_READ)
             while True:
-                wait = None if not pending else partial_since + PARTIAL_AFTER_S - time.monotonic()
+                wait = batcher.wait(time.monotonic())
                 ready = wait is not None and wait <= 0
                 if not ready:
                     readable = {key.fd for key, _ in sel.select(wait)}
                     if self._stop_r in readable and (fd not in readable or stopping):
                         break  # told to stop, and what was there to read is read
                     stopping = self._stop_r in readable
-                    ready = fd in readable
-                    if ready:
+                    if fd in readable:
                         # Batching: within BATCH_S of the last send, let the pipe fill up
                         # instead of waking for every line a busy rank writes.
-                        gap = last_sent + BATCH_S - time.monotonic()
+                        gap = batcher.last_sent + BATCH_S - time.monotonic()
                         if gap > 0:
                             time.sleep(gap)
                         data = os.read(fd, PIPE_BYTES)
                         if not data:
                             break
-                        text = decoder.decode(data)
-                        marks = 0
-                        if self.spec.session:
-                            text, marks = self._strip_sync(text)
-                        if cut:
-                            # The rest of an overlong line: drop it up to its end, then say
-                            # how much went, as _cut does for a line that came whole.
-                            end = _first_break(text)
-                            if end < 0 and not marks:
-                                cut += len(text)
-                                continue
-                            if end < 0:  # a session cell ended inside the overlong line
-                                end = len(text)
-                            text = f" [... {cut + end} characters cut]" + text[end:]
-                            cut = 0
-                        if not pending:
-                            partial_since = time.monotonic()
-                        end = _after_last_break(text)
-                        if end:
-                            brk = len(pending) + end
-                        pending += text
+                        chunks, marks = batcher.feed(data, time.monotonic())
                         if marks:
                             # A session cell ended: what it printed goes now, then its value.
-                            if pending:
-                                self._emit(stream, pending)
-                            pending, brk = "", 0
+                            for chunk in chunks:
+                                self._emit(stream, chunk)
                             with self._sync_cond:
                                 self._synced[stream] += marks
                                 self._sync_cond.notify_all()
                             continue
-                now = time.monotonic()
-                if brk:
-                    chunk, pending = pending[:brk], pending[brk:]
-                    brk = 0
+                for chunk in batcher.take(time.monotonic()):
                     self._emit(stream, chunk)
-                    last_sent = partial_since = now
-                elif len(pending) >= MAX_LINE_CHARS:  # an overlong line: send its start
-                    cut = len(pending) - MAX_LINE_CHARS
-                    self._emit(stream, pending[:MAX_LINE_CHARS])
-                    pending = ""
-                elif pending and now - partial_since >= PARTIAL_AFTER_S:
-                    self._emit(stream, pending)  # an unfinished line, shown as it is
-                    pending = ""
-            rest = pending + decoder.decode(b"", final=True)
+            rest = batcher.close()
             if rest:
                 self._emit(stream, rest)
 
@@ -794,9 +752,7 @@ class Supervisor:
             text, 0)
 
     def _emit(self, stream: str, text: str) -> None:
-        if len(text) > MAX_LINE_CHARS and max(map(len, text.splitlines())) > MAX_LINE_CHARS:
-            segs, rest = _split(text)
-            text = "".join(line + end for line, end in segs) + rest
+        text = cut_long_lines(text)
         # The last lines, kept to explain a rank that dies without a traceback.
         parts = text.rsplit("\n", TAIL_LINES + 1)
         parts.pop()  # after the last newline: unfinished
@@ -913,12 +869,6 @@ def _descendants(pid: int) -> list[Any]:
         return []
 
 
-def _split(text: str) -> tuple[list[list[str]], str]:
-    """Split into ``[text, end]`` segments (``state.split_lines``), overlong lines cut."""
-    segs, rest = state.split_lines(text)
-    return [[_cut(line), end] for line, end in segs], rest
-
-
 def _grow_pipe(fd: int) -> None:
     try:
         import fcntl
@@ -926,23 +876,6 @@ def _grow_pipe(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
     except (ImportError, OSError):
         pass  # not Linux, or above /proc/sys/fs/pipe-max-size: the default buffer works too
-
-
-def _first_break(text: str) -> int:
-    """Index of the first ``\\n`` or ``\\r`` in ``text``; -1 if there is none."""
-    found = [i for i in (text.find("\n"), text.find("\r")) if i >= 0]
-    return min(found) if found else -1
-
-
-def _after_last_break(text: str) -> int:
-    """Index just after the last ``\\n`` or ``\\r`` in ``text``; 0 if there is none."""
-    return max(text.rfind("\n"), text.rfind("\r")) + 1
-
-
-def _cut(line: str) -> str:
-    if len(line) <= MAX_LINE_CHARS:
-        return line
-    return line[:MAX_LINE_CHARS] + f" [... {len(line) - MAX_LINE_CHARS} characters cut]"
 
 
 def supervise(spec: RankSpec, gather: Gather | None = None) -> RankOutcome:

@@ -27,7 +27,6 @@ import linecache
 import os
 import queue
 import signal
-import struct
 import sys
 import threading
 import time
@@ -36,43 +35,26 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from nbdist import _children, _logcarry, values  # standard library only
+from nbdist.protocol import (
+    CallPayload,
+    CellPayload,
+    EnvFrame,
+    ErrorRecord,
+    Frame,
+    Payload,
+    PullPayload,
+    PushPayload,
+    ScriptPayload,
+    SessionKeys,
+    read_frame,
+    write_frame,
+)
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
-_HEADER = struct.Struct(">IB")
-# frame kinds
-PAYLOAD = ord("P")  # supervisor → rank: a pickled payload dict
-QUIT = ord("Q")  # supervisor → rank: no more payloads
-EVENT = ord("E")  # rank → supervisor: a JSON event
-RESULT = ord("R")  # rank → supervisor: the pickled value of a payload (a session's: empty,
-# after the value's pieces)
-PIECE = ord("B")  # rank → supervisor: a piece of a session cell's value (nbdist.values)
-ERROR = ord("X")  # rank → supervisor: JSON {type, message, traceback}
-ENV = ord("V")  # supervisor → rank: JSON {env, cwd}, set before the next payload runs
-WARM = ord("W")  # supervisor → rank: JSON list of modules to import while waiting
-INTERRUPT = ord("I")  # supervisor → rank: the number of a session cell to interrupt
-
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 T = TypeVar("T")
-
-
-def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview) -> None:
-    f.write(_HEADER.pack(len(body), kind))
-    f.write(body)
-    f.flush()
-
-
-def read_frame(f: BinaryIO) -> tuple[int, bytes] | None:
-    """The next frame, or None at end of file."""
-    head = f.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        return None
-    size, kind = _HEADER.unpack(head)
-    body = f.read(size)
-    if len(body) < size:
-        return None
-    return kind, body
 
 
 class _Channel:
@@ -87,7 +69,7 @@ class _Channel:
             write_frame(self._f, kind, body)
 
     def event(self, **event: Any) -> None:
-        self.send(EVENT, json.dumps(event, default=str).encode())
+        self.send(Frame.EVENT, json.dumps(event, default=str).encode())
 
 
 _channel: _Channel | None = None
@@ -419,7 +401,7 @@ def _import(module: str, what: str, name: str) -> Any:
 _session_ns: dict[str, Any] = _children.namespace(keep=True)
 
 
-def _namespace(payload: dict[str, Any]) -> dict[str, Any]:
+def _namespace(payload: SessionKeys) -> dict[str, Any]:
     ns = _session_ns if payload.get("session") else _children.namespace()
     if "__builtins__" not in ns:
         ns.update({"__name__": "__main__", "__builtins__": builtins})
@@ -435,7 +417,7 @@ def session_names() -> list[str]:
     return sorted(n for n in _session_ns if n not in hidden and not n.startswith("__"))
 
 
-def _run_cell(payload: dict[str, Any]) -> Any:
+def _run_cell(payload: CellPayload) -> Any:
     filename: str = payload["filename"]
     source: str = payload["source"]
     offset: int = payload.get("line_offset", 0)
@@ -480,7 +462,7 @@ def _mark(name: str) -> None:
         _channel.event(t="marks", at={name: time.time()})
 
 
-def _run_script(payload: dict[str, Any]) -> Any:
+def _run_script(payload: ScriptPayload) -> Any:
     import runpy
 
     argv = [payload["path"], *payload.get("argv", ())]
@@ -493,13 +475,13 @@ def _run_script(payload: dict[str, Any]) -> Any:
     return None
 
 
-def _run_call(payload: dict[str, Any]) -> Any:
+def _run_call(payload: CallPayload) -> Any:
     fn: Callable[..., Any] = payload["fn"]
     _children.install()  # a script's functions (its __main__'s) reach the rank's children too
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 
-def _run_pull(payload: dict[str, Any]) -> Any:
+def _run_pull(payload: PullPayload) -> Any:
     """``%dist_pull``: a session variable's value (from the rank asked; None from the rest)."""
     if int(os.environ.get("RANK", "0")) != payload["rank"]:
         return None
@@ -511,19 +493,27 @@ def _run_pull(payload: dict[str, Any]) -> Any:
     return _session_ns[name]
 
 
-def _run_push(payload: dict[str, Any]) -> Any:
+def _run_push(payload: PushPayload) -> Any:
     """``%dist_push``: set a session variable on this rank to the notebook's value."""
     _load_values(payload["data"], [payload["name"]], _namespace(payload))
     return None
 
 
-_RUNNERS: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "cell": _run_cell, "script": _run_script, "call": _run_call, "pull": _run_pull,
-    "push": _run_push,
-}
+def _run(payload: Payload) -> Any:
+    """Run a payload of any kind (``nbdist.protocol``) and return its value."""
+    if payload["kind"] == "cell":
+        return _run_cell(payload)  # a cell marks "imports" after its imports
+    _mark("imports")
+    if payload["kind"] == "script":
+        return _run_script(payload)
+    if payload["kind"] == "call":
+        return _run_call(payload)
+    if payload["kind"] == "pull":
+        return _run_pull(payload)
+    return _run_push(payload)
 
 
-def _format_error(exc: BaseException) -> dict[str, str]:
+def _format_error(exc: BaseException) -> ErrorRecord:
     """The user's traceback, without the runtime's own frames; never raises.
 
     Everything here runs user code: ``str()``/``repr()`` of the exception, its ``__notes__``,
@@ -649,8 +639,8 @@ def _warm(modules: list[str]) -> None:
             pass
 
 
-def _set_env(spec: dict[str, Any]) -> None:
-    env: dict[str, str] = spec.get("env", {})
+def _set_env(spec: EnvFrame) -> None:
+    env = spec.get("env", {})
     threads_before = os.environ.get("OMP_NUM_THREADS")
     os.environ.update(env)
     if spec.get("cwd"):
@@ -836,25 +826,23 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
 
     while True:
         frame = inbox.get()
-        if frame is None or frame[0] == QUIT:
+        if frame is None or frame[0] == Frame.QUIT:
             return
-        if frame[0] == WARM:
+        if frame[0] == Frame.WARM:
             _warm(json.loads(frame[1]))
             chan.event(t="warm")
             continue
-        if frame[0] == ENV:
+        if frame[0] == Frame.ENV:
             _set_env(json.loads(frame[1]))
             continue
-        payload = cloudpickle.loads(frame[1])
+        payload: Payload = cloudpickle.loads(frame[1])
         _bridge_tqdm()
         chan.event(t="state", state="running")
         try:
             _interruptible.set()
             try:
                 _cells.start(payload.get("cell"))
-                if payload["kind"] != "cell":  # a cell marks it after its imports
-                    _mark("imports")
-                value = _RUNNERS[payload["kind"]](payload)
+                value = _run(payload)
             finally:
                 _mark("end")
                 _interruptible.clear()
@@ -870,7 +858,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
                 _flush_all()
                 if payload.get("session"):
                     _mark_synced()
-                chan.send(ERROR, json.dumps(_format_error(exc)).encode())
+                chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
                 if not payload.get("keep"):
                     return
                 continue
@@ -886,7 +874,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             segments = values.dumps(value) if payload.get("session") else [
                 memoryview(cloudpickle.dumps(value))]
         except Exception as exc:
-            chan.send(ERROR, json.dumps({
+            chan.send(Frame.ERROR, json.dumps({
                 "type": "PicklingError",
                 "message": f"the cell's value of type {type(value).__qualname__} cannot be "
                 f"pickled to return it to the notebook: {_type_name(exc)}: {_message(exc)}",
@@ -901,11 +889,11 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
                 chan.event(t="result", type=name, sizes=[s.nbytes for s in segments])
                 for seg in segments:
                     for start in range(0, seg.nbytes, values.CHUNK):
-                        chan.send(PIECE, seg[start:start + values.CHUNK])
-                chan.send(RESULT, b"")
+                        chan.send(Frame.PIECE, seg[start:start + values.CHUNK])
+                chan.send(Frame.RESULT, b"")
             else:
                 chan.event(t="result", type=name)
-                chan.send(RESULT, segments[0])
+                chan.send(Frame.RESULT, segments[0])
             del segments
         if not payload.get("keep"):
             return
@@ -1128,7 +1116,7 @@ def main(guard: bool = True) -> None:
             frame = read_frame(ctl_in)
             if frame is None:
                 break
-            if frame[0] == INTERRUPT:
+            if frame[0] == Frame.INTERRUPT:
                 _cells.interrupt(int(frame[1]))
                 continue
             inbox.put(frame)

@@ -40,10 +40,11 @@ from nbdist.job import (
     register,
     retain,
     unreachable_hint,
-    wait_loop,
 )
 from nbdist.launch import Launcher
+from nbdist.protocol import Payload
 from nbdist.rank import RankOutcome
+from nbdist.waiting import wait_loop
 
 #: How long ``start`` waits for every rank's interpreter to be up.
 START_S = 300.0
@@ -124,7 +125,7 @@ class Session(Job):
         self.idle_since = time.time()
         self.warning = ""
         self._idle_timer: threading.Timer | None = None
-        super().__init__({}, np, launcher, gpu=gpu, env=env, session=True)
+        super().__init__(None, np, launcher, gpu=gpu, env=env, session=True)
         self._arm_idle()
 
     # -- state --------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ class Session(Job):
 
     # -- cells --------------------------------------------------------------------------------
     def run_cell(
-        self, payload: dict[str, Any], *, timeout: float | None = None, label: str = ""
+        self, payload: Payload, *, timeout: float | None = None, label: str = ""
     ) -> SessionCell:
         """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session."""
         with self._lock:

@@ -8,13 +8,13 @@ at ``MAX_PARTIAL`` characters. What falls out of view is counted, never silently
 from __future__ import annotations
 
 import collections
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nbdist import timeline
+from nbdist.lines import split_lines
 from nbdist.protocol import HEARTBEAT_S as HEARTBEAT_S
 from nbdist.protocol import SILENT_AFTER_S as SILENT_AFTER_S
 from nbdist.protocol import RankStatus
@@ -266,20 +266,3 @@ class JobState:
         now = time.time() if now is None else now
         with self.lock:
             return [r.rank for r in self.ranks if r.silent(now)]
-
-
-_BREAK = re.compile(r"(\r\n|\r|\n)")
-
-
-def split_lines(text: str) -> tuple[list[list[str]], str]:
-    """``[line, end]`` pairs, ``end`` being ``\n`` (also for ``\r\n``) or ``\r`` (a redraw),
-    and the unfinished rest after the last line end ("" if there is none).
-
-    The one splitter of rank output: the supervisor (``rank.py``) and this model both use it.
-    """
-    parts = _BREAK.split(text)
-    segs = [
-        [line, "\r" if sep == "\r" else "\n"]
-        for line, sep in zip(parts[0:-1:2], parts[1::2], strict=True)
-    ]
-    return segs, parts[-1]

@@ -27,6 +27,7 @@ from nbdist.capture._scope import Flow, Need
 from nbdist.capture._ship import Import, Value, by_name, large_message, ship, submodules_reached
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, Lines, has_value, parse
 from nbdist.errors import CaptureWarning
+from nbdist.protocol import CellPayload
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Captured:
     line_offset: int = 0  # lines above the cell body (the %%distributed line)
     flags: int = 0  # compiler flags of __future__ features in effect in the notebook
 
-    def payload(self) -> dict[str, Any]:
+    def payload(self) -> CellPayload:
         """What ``runtime._run_cell`` executes on each rank."""
         return {
             "kind": "cell",

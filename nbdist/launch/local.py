@@ -25,6 +25,7 @@ from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest
 from nbdist.launch.zygote import Zygote
+from nbdist.protocol import Frame
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
@@ -247,7 +248,7 @@ class WarmPool:
                 rp = RankProcess(template.python, template.env, template.cwd)
             except OSError:
                 return
-            rp.send(runtime.WARM, body)
+            rp.send(Frame.WARM, body)
             with self._lock:
                 stale = generation != self._generation
                 if not stale:

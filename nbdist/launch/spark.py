@@ -440,7 +440,7 @@ def guard_stop_button() -> None:
 
     pyspark's SparkContext, created in the main thread, installs a SIGINT handler that calls
     ``cancelAllJobs()`` and raises KeyboardInterrupt. While the kernel waits on an nbdist job
-    or session cell (``nbdist.job.waiting`` marks the main thread, from nbdist's one wait loop
+    or session cell (``nbdist.waiting.waiting`` marks the main thread, from nbdist's one wait loop
     and from the magics), the KeyboardInterrupt alone is wanted: nbdist then cancels its own
     job group, or interrupts the session's cell, and nothing else. Anywhere else the previous
     handler runs as before. Installed from the main thread only (where Python allows it),
@@ -453,7 +453,7 @@ def guard_stop_button() -> None:
         return  # nothing there that would cancel other jobs
     if getattr(previous, "_nbdist_guard", False):
         return
-    from nbdist.job import is_waiting
+    from nbdist.waiting import is_waiting
 
     def nbdist_sigint(signum: int, frame: FrameType | None) -> Any:
         # Signal handlers run in the main thread: this asks whether the main thread waits.

@@ -24,6 +24,7 @@ from nbdist import events
 from nbdist.errors import OutputLostWarning
 from nbdist.job import Job, choose_launcher
 from nbdist.launch import Launcher, LaunchRequest
+from nbdist.protocol import CallPayload
 from nbdist.rank import RankOutcome
 
 from ..helpers import GONE_WITHIN_S, wait_for
@@ -309,7 +310,7 @@ class Misdirected:
 def misdirected_job(target: Target, src: str, np: int = 2) -> tuple[Job, Misdirected]:
     """A job whose ranks cannot reach the driver's event server (see :class:`Misdirected`)."""
     launcher = Misdirected(choose_launcher(np, target.backend)[0])
-    payload = {"kind": "call", "fn": define(src), "args": (), "kwargs": {}}
+    payload: CallPayload = {"kind": "call", "fn": define(src), "args": (), "kwargs": {}}
     return Job(payload, np, launcher), launcher
 
 
