@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
-from nbdist.runtime import progress, report
+from nbdist.reporting import progress, report
 
 if TYPE_CHECKING:
     from nbdist.job import Job

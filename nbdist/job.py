@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from nbdist import _pickling, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
-from nbdist.launch import Launcher, LaunchRequest, payload_env, payload_modules
+from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.protocol import CallPayload, Payload
 from nbdist.rank import RankOutcome
 from nbdist.waiting import wait_loop
@@ -153,6 +153,21 @@ def _spark_session() -> Any:
     except ImportError:
         return None
     return SparkSession.getActiveSession()
+
+
+def capacities() -> list[tuple[str, Capacity]]:
+    """(backend, Capacity) of the local backend, and of Spark when a session is active
+    (``%dist_status``)."""
+    from nbdist.launch.local import LocalLauncher
+
+    caps: list[tuple[str, Capacity]] = [("local", LocalLauncher().capacity())]
+    if _spark_session() is not None:
+        try:
+            launcher, _ = choose_launcher(1, "spark")
+            caps.append(("spark", launcher.capacity()))
+        except Exception as exc:  # no Spark backend here, or the cluster cannot be asked
+            caps.append(("spark", Capacity(0, 0, f"unknown: {exc}")))
+    return caps
 
 
 def default_gpu(launcher: Launcher) -> bool:

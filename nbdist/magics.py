@@ -376,7 +376,7 @@ class DistMagics(Magics):
             if not (show_timeline or trace is not None):
                 display(status.RanksReport(job.state))
             return
-        display(status.JobsReport([j.state for j in jobs.jobs()], _capacities(),
+        display(status.JobsReport([j.state for j in jobs.jobs()], jobs.capacities(),
                                   rejected=events.rejected_connections()))
 
     @line_magic
@@ -530,19 +530,3 @@ def _widget_frontend(shell: Any) -> bool:
 
     in_kernel = any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__)
     return in_kernel and importlib.util.find_spec("ipywidgets") is not None
-
-
-def _capacities() -> list[tuple[str, Any]]:
-    """(backend, Capacity) of the local backend, and of Spark when a session is active."""
-    from nbdist.launch.local import LocalLauncher
-
-    caps: list[tuple[str, Any]] = [("local", LocalLauncher().capacity())]
-    if jobs._spark_session() is not None:
-        try:
-            launcher, _ = jobs.choose_launcher(1, "spark")
-            caps.append(("spark", launcher.capacity()))
-        except Exception as exc:  # no Spark backend here, or the cluster cannot be asked
-            from nbdist.launch import Capacity
-
-            caps.append(("spark", Capacity(0, 0, f"unknown: {exc}")))
-    return caps

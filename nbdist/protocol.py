@@ -32,7 +32,11 @@ The boundaries, and what crosses each (all defined below):
 
 from __future__ import annotations
 
+import io
+import json
+import pickle
 import struct
+import threading
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, BinaryIO, Literal, TypedDict
@@ -120,6 +124,24 @@ def read_frame(f: BinaryIO) -> tuple[int, bytes] | None:
     if len(body) < size:
         return None
     return kind, body
+
+
+class FrameWriter:
+    """The rank's end of *control out*: frames written whole, from any thread."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        #: Held while a frame is written; also over a fork (``runtime``'s fork guard), so a
+        #: child never inherits half a frame.
+        self.lock = threading.Lock()
+
+    def send(self, kind: int, body: bytes | memoryview) -> None:
+        with self.lock:
+            write_frame(self._f, kind, body)
+
+    def event(self, **event: Any) -> None:
+        """Send a JSON event (``Frame.EVENT``)."""
+        self.send(Frame.EVENT, json.dumps(event, default=str).encode())
 
 
 class EnvFrame(TypedDict, total=False):
@@ -224,6 +246,30 @@ class PushPayload(SessionKeys):
     kind: Literal["push"]
     name: str
     data: bytes
+
+
+# The namespace loader: how a cell's values find the namespace they run in.
+def cell_namespace() -> dict[str, Any]:
+    """The notebook's namespace, as the globals of notebook functions shipped by value.
+
+    Capture pickles a reference to this function in its place; the loader of a cell's values
+    (``load_values``) maps it to the namespace the cell runs in, so those functions see what
+    the cell assigns, as in the notebook. Unpickled any other way, each gets a fresh one.
+    """
+    return {}
+
+
+def load_values(data: bytes, names: list[str], ns: dict[str, Any]) -> None:
+    """Unpickle a cell's values into ``ns``: one stream with one memo, one object per name."""
+    class _Loader(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("nbdist.protocol", "cell_namespace"):
+                return lambda: ns
+            return super().find_class(module, name)
+
+    loader = _Loader(io.BytesIO(data))
+    for name in names:
+        ns[name] = loader.load()
 
 
 Payload = CellPayload | ScriptPayload | CallPayload | PullPayload | PushPayload

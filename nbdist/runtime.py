@@ -31,354 +31,34 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from nbdist import _children, _logcarry, values  # standard library only
+from nbdist import _children, _logcarry, reporting, values  # standard library only
 from nbdist.protocol import (
     CallPayload,
     CellPayload,
     EnvFrame,
     ErrorRecord,
     Frame,
+    FrameWriter,
     Payload,
     PullPayload,
     PushPayload,
     ScriptPayload,
     SessionKeys,
+    load_values,
     read_frame,
-    write_frame,
 )
+from nbdist.shell import RankShell
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-T = TypeVar("T")
-
-
-class _Channel:
-    """The rank's end of *control out*; thread-safe."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self._f = f
-        self._lock = threading.Lock()
-
-    def send(self, kind: int, body: bytes | memoryview) -> None:
-        with self._lock:
-            write_frame(self._f, kind, body)
-
-    def event(self, **event: Any) -> None:
-        self.send(Frame.EVENT, json.dumps(event, default=str).encode())
-
-
-_channel: _Channel | None = None
-
-
-# -- the API user code calls on a rank --------------------------------------------------------
-#: A bar reports at most this often; what a faster loop skips is sent by a trailing update.
-BAR_EVERY_S = 0.1
-
-
-class _Bar:
-    """Rate-limited progress reporting for one loop; also the shape the tqdm bridge uses.
-
-    A skipped update is not lost: a loop that stalls right after one (a rank waiting in a
-    collective) would otherwise show a stale count for as long as it waits. One thread per
-    rank, started on the first skip, sends the latest count of such bars ``BAR_EVERY_S`` later.
-    """
-
-    _ids = 0
-    _lock = threading.Lock()  # one send at a time, so a bar's counts never arrive out of order
-    _late: dict[int, _Bar] = {}
-    _trailer: threading.Thread | None = None
-
-    def __init__(self, total: int | None, desc: str | None) -> None:
-        _Bar._ids += 1
-        self.id = _Bar._ids
-        self.total, self.desc = total, desc
-        self.n = 0
-        # The numbers of tqdm's postfix (``set_postfix``), charted with ``n`` as their step.
-        # Sent with every update, not only when they change: the client's coalescing replaces
-        # a bar's queued update with its newest, which would drop a postfix sent only once.
-        self.postfix: dict[str, float] | None = None
-        self._steps_before = 0  # counts before the bar was last reset: the postfix's step
-        self.start = time.monotonic()
-        self._last = 0.0
-        self._sent: int | None = None
-
-    def update(self, n: int, *, force: bool = False) -> None:
-        if n < self.n:  # reset (tqdm's reset, a new epoch's count): steps go on from here
-            self._steps_before += self.n
-        self.n = n
-        if _channel is None:
-            return
-        if force or time.monotonic() - self._last >= BAR_EVERY_S:
-            self._send()
-            return
-        with _Bar._lock:
-            _Bar._late[self.id] = self
-            if _Bar._trailer is None:
-                _Bar._trailer = threading.Thread(target=_Bar._trail, daemon=True,
-                                                 name="nbdist-progress")
-                _Bar._trailer.start()
-
-    def _send(self) -> None:
-        with _Bar._lock:
-            if _channel is None:
-                return
-            now = time.monotonic()
-            self._last, self._sent = now, self.n
-            elapsed = now - self.start
-            rate = self.n / elapsed if elapsed > 0 else None
-            extra: dict[str, Any] = {}
-            if self.postfix:
-                extra = {"postfix": self.postfix, "step": self._steps_before + self.n}
-            _channel.event(
-                t="progress", id=self.id, n=self.n, total=self.total, desc=self.desc,
-                rate=rate, elapsed=elapsed, **extra,
-            )
-
-    @staticmethod
-    def _trail() -> None:
-        while True:
-            time.sleep(BAR_EVERY_S)  # a pace, not a wait for anything
-            _Bar.send_late()
-
-    @staticmethod
-    def send_late() -> None:
-        """Send the counts (and reports) held back by the rate limit now."""
-        with _Bar._lock:
-            late = list(_Bar._late.values())
-            _Bar._late.clear()
-        for bar in late:
-            if bar.n != bar._sent:
-                bar._send()
-
-
-class _Reports(_Bar):
-    """``report``'s values, sent like a bar's counts: at most every ``BAR_EVERY_S``, what a
-    faster loop reports in between merged (each metric's newest value, at the newest count)
-    and sent by the trailer, or at the payload's end. One event per call cost a loop that
-    reports every millisecond 10 % of its speed; this costs it nothing measurable."""
-
-    def __init__(self) -> None:
-        super().__init__(None, None)
-        self.values: dict[str, Any] = {}
-
-    def add(self, values: dict[str, Any]) -> None:
-        with _Bar._lock:
-            self.values.update(values)
-            n = self.n + 1
-        self.update(n)
-
-    def _send(self) -> None:
-        with _Bar._lock:
-            if _channel is None or not self.values:
-                return
-            self._last, self._sent = time.monotonic(), self.n
-            values, self.values = self.values, {}
-            _channel.event(t="metrics", values=values, step=self.n)
-
-
-def progress(
-    iterable: Iterable[T], total: int | None = None, desc: str | None = None
-) -> Iterator[T]:
-    """Iterate over ``iterable`` and show a progress bar for this rank in the panel.
-
-    Outside a rank it simply iterates. ``tqdm`` on a rank is bridged the same way on its own.
-    """
-    if total is None and hasattr(iterable, "__len__"):
-        total = len(iterable)  # type: ignore[arg-type]
-    bar = _Bar(total, desc)
-    n = 0
-    for item in iterable:
-        yield item
-        n += 1
-        bar.update(n)
-    bar.update(n, force=True)
-
-
-_reports: _Reports | None = None  # counts the calls: the step the values are charted at
-
-
-def report(**metrics: Any) -> None:
-    """Show the latest values of ``metrics`` (e.g. ``loss=0.3``) for this rank in the panel,
-    and chart the numbers among them (the x axis counts this rank's calls of ``report``).
-
-    Values are sent as JSON (numbers, strings); an object that converts to a number (a numpy
-    scalar, a one-element tensor) is sent as that number, other objects by their ``str``.
-    At most ten sends a second, like a bar: calls in between are merged (each metric's newest
-    value) and sent 0.1 s later, or when the cell ends. Outside a rank this does nothing.
-    """
-    global _reports
-    if _channel is not None:
-        if _reports is None:
-            _reports = _Reports()
-        _reports.add({k: _json_value(v) for k, v in metrics.items()})
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, (int, float, str, bool)) or v is None:
-        return v
-    if hasattr(v, "__float__"):
-        try:
-            return float(v)
-        except (TypeError, ValueError, RuntimeError):  # a tensor of many elements, say
-            pass
-    return str(v)
-
-
-def _postfix_numbers(postfix: Any) -> dict[str, float] | None:
-    """The numbers in tqdm's postfix text (``"loss=0.693, acc=0.51"``, how ``set_postfix``
-    writes it), or None. Lightning's ``v_num`` (the logger's version) is not a metric."""
-    if not postfix or not isinstance(postfix, str):
-        return None
-    numbers = {}
-    for part in postfix.split(", "):
-        name, eq, text = part.partition("=")
-        if eq and name.strip() and name.strip() != "v_num":
-            try:
-                numbers[name.strip()] = float(text.strip())
-            except ValueError:
-                continue  # a word, not a number: shown by nothing but the bar itself
-    return numbers or None
-
-
-def _bridge_tqdm() -> None:
-    """Make every tqdm bar on this rank report to the panel instead of drawing escape codes.
-
-    tqdm calls ``display`` at most every ``mininterval``; ours sends a progress event (itself
-    rate-limited) and draws nothing. ``close`` would still write a newline to the rank's
-    stderr, leaving an empty line per bar in the log: without ``sp`` (tqdm's "GUI mode") it
-    skips that.
-    """
-    try:
-        import tqdm.std as tstd
-    except ImportError:
-        return
-    if getattr(tstd.tqdm, "_nbdist_bridged", False):
-        return
-
-    def display(self: Any, msg: str | None = None, pos: int | None = None) -> bool:
-        bar = self.__dict__.get("_nbdist_bar")
-        if bar is None:
-            bar = self._nbdist_bar = _Bar(self.total, self.desc or None)
-        bar.total, bar.desc = self.total, self.desc or None  # set_description may change it
-        bar.postfix = _postfix_numbers(self.postfix)
-        bar.update(int(self.n), force=bool(getattr(self, "_closing", 0)))
-        return True
-
-    original_close = tstd.tqdm.close
-
-    def close(self: Any) -> None:
-        if getattr(self, "disable", True):
-            return
-        self._closing = 1
-        self.sp = None  # no final newline on the rank's stderr
-        original_close(self)
-        bar = self.__dict__.get("_nbdist_bar")
-        if bar is not None:
-            bar.update(int(self.n), force=True)
-
-    tstd.tqdm.display = display
-    tstd.tqdm.close = close
-    tstd.tqdm._nbdist_bridged = True
 
 
 # -- running a payload ---------------------------------------------------------------------------
-class _RankShell:
-    """Stands in for ``get_ipython()`` on a rank: ``!cmd``, ``x = !cmd`` and ``%pip`` run
-    there through a shell, with ``{expression}`` and ``$name`` expanded from the cell's
-    variables as IPython does. ``%%distributed --export`` copies this class into the scripts it
-    writes, so it uses only the standard library, imported inside its methods."""
-
-    def __init__(self, ns: dict[str, Any] | None = None) -> None:
-        self.ns = ns if ns is not None else {}
-
-    @staticmethod
-    def _expand(cmd: str, depth: int) -> str:
-        import re
-        import string
-        import sys
-
-        class Evaluating(string.Formatter):
-            def get_field(self, field: str, args: Any, kwargs: Any) -> tuple[Any, str]:
-                return eval(field, kwargs), field  # ``{x + 1}``, as IPython allows
-
-        frame = sys._getframe(depth + 1)
-        names = {**frame.f_globals, **frame.f_locals}
-        try:
-            cmd = Evaluating().vformat(cmd, (), names)
-        except Exception:  # like IPython: a command that does not expand runs as written
-            return cmd
-        return re.sub(r"\$(\w+)", lambda m: str(names.get(m.group(1), m.group(0))), cmd)
-
-    def _run(self, cmd: str, capture: bool) -> Any:
-        import subprocess
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if capture:  # as IPython's getoutput: stdout and stderr, split into lines
-            out = subprocess.run(cmd, shell=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True).stdout
-            return out.splitlines()
-        self.ns["_exit_code"] = subprocess.call(cmd, shell=True)
-        return None
-
-    def system(self, cmd: str) -> None:
-        self._run(self._expand(cmd, 1), capture=False)
-
-    def getoutput(self, cmd: str, split: bool = True) -> Any:
-        lines = self._run(self._expand(cmd, 1), capture=True)
-        return lines if split else "\n".join(lines)
-
-    def run_line_magic(self, name: str, line: str = "", _stack_depth: int = 1) -> Any:
-        import shlex
-        import sys
-
-        line = self._expand(line, 1)
-        if name == "pip":
-            return self._run(f"{shlex.quote(sys.executable)} -m pip {line}", capture=False)
-        if name in ("sx", "system"):
-            return self._run(line, capture=True)
-        raise RuntimeError(
-            f"%{name} is an IPython magic and cannot run on a rank; run it in a normal cell"
-        )
-
-    def run_cell_magic(self, name: str, *args: object, **kw: object) -> None:
-        raise RuntimeError(
-            f"%%{name} is an IPython cell magic and cannot run on a rank; run it in a normal cell"
-        )
-
-
-def _cell_namespace() -> dict[str, Any]:
-    """The notebook's namespace, as the globals of notebook functions shipped by value.
-
-    Capture pickles a reference to this function in its place; the loader of a cell's values
-    (``_load_values``) maps it to the namespace the cell runs in, so those functions see what
-    the cell assigns, as in the notebook. Unpickled any other way, each gets a fresh one.
-    """
-    return {}
-
-
-def _load_values(data: bytes, names: list[str], ns: dict[str, Any]) -> None:
-    """Unpickle a cell's values into ``ns``: one stream with one memo, one object per name."""
-    import io
-    import pickle
-
-    class _Loader(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) == ("nbdist.runtime", "_cell_namespace"):
-                return lambda: ns
-            return super().find_class(module, name)
-
-    loader = _Loader(io.BytesIO(data))
-    for name in names:
-        ns[name] = loader.load()
-
-
 def _display(*objs: Any, **kwargs: Any) -> None:
     """IPython's ``display`` on a rank, which has no front end: print each object's repr."""
     for obj in objs:
@@ -405,7 +85,7 @@ def _namespace(payload: SessionKeys) -> dict[str, Any]:
     ns = _session_ns if payload.get("session") else _children.namespace()
     if "__builtins__" not in ns:
         ns.update({"__name__": "__main__", "__builtins__": builtins})
-        shell = _RankShell(ns)
+        shell = RankShell(ns)
         ns["get_ipython"] = lambda: shell
         ns["display"] = _display
     return ns
@@ -440,7 +120,7 @@ def _run_cell(payload: CellPayload) -> Any:
     for module in payload.get("submodules", ()):
         _import(module, f"import {module}", module.partition(".")[0])
     if payload.get("data"):
-        _load_values(payload["data"], payload["value_names"], ns)
+        load_values(payload["data"], payload["value_names"], ns)
     # The notebook's ``from __future__`` features (flags); none of this module's own.
     flags: int = payload.get("flags", 0)
     tree = ast.parse(source, filename)
@@ -458,8 +138,8 @@ def _run_cell(payload: CellPayload) -> Any:
 
 def _mark(name: str) -> None:
     """Stamp a moment of the launch timeline (``nbdist.timeline``) for the supervisor."""
-    if _channel is not None:
-        _channel.event(t="marks", at={name: time.time()})
+    if reporting.channel is not None:
+        reporting.channel.event(t="marks", at={name: time.time()})
 
 
 def _run_script(payload: ScriptPayload) -> Any:
@@ -495,7 +175,7 @@ def _run_pull(payload: PullPayload) -> Any:
 
 def _run_push(payload: PushPayload) -> Any:
     """``%dist_push``: set a session variable on this rank to the notebook's value."""
-    _load_values(payload["data"], [payload["name"]], _namespace(payload))
+    load_values(payload["data"], [payload["name"]], _namespace(payload))
     return None
 
 
@@ -591,7 +271,7 @@ def _chain(te: traceback.TracebackException) -> Iterator[traceback.TracebackExce
 
 
 def _flush_all() -> None:
-    _Bar.send_late()  # the newest counts and reports before the payload's end
+    reporting.send_late()  # the newest counts and reports before the payload's end
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -821,7 +501,7 @@ class _Cells:
 _cells = _Cells()
 
 
-def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None:
+def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:
     import cloudpickle
 
     while True:
@@ -836,7 +516,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: _Channel) -> None
             _set_env(json.loads(frame[1]))
             continue
         payload: Payload = cloudpickle.loads(frame[1])
-        _bridge_tqdm()
+        reporting.bridge_tqdm()
         chan.event(t="state", state="running")
         try:
             _interruptible.set()
@@ -1068,31 +748,24 @@ class _Pacer:
 def _guard_forks(pacer: _Pacer) -> None:
     """Make a fork of the rank safe for its output and its control channel (see ``_Pacer``).
 
-    The channel's and the progress bars' locks are held over the fork too, so that the child
-    never inherits one taken by a thread it does not have (nbdist.progress in a DataLoader
-    worker would hang) nor half a frame in the channel's buffer. Registered in the rank only,
-    never in the zygote, whose forks are the ranks themselves.
+    The channel's and the progress bars' locks are held over the fork too
+    (``reporting.before_fork``), so that the child never inherits one taken by a thread it does
+    not have (nbdist.progress in a DataLoader worker would hang) nor half a frame in the
+    channel's buffer. Registered in the rank only, never in the zygote, whose forks are the
+    ranks themselves.
     """
 
     def before() -> None:
-        _Bar._lock.acquire()  # the order _Bar._send takes them in
-        if _channel is not None:
-            _channel._lock.acquire()
+        reporting.before_fork()
         pacer.before_fork()
 
     def parent() -> None:
         pacer.after_fork_in_parent()
-        if _channel is not None:
-            _channel._lock.release()
-        _Bar._lock.release()
+        reporting.after_fork_in_parent()
 
     def child() -> None:
         pacer.after_fork_in_child()
-        if _channel is not None:
-            _channel._lock.release()
-        _Bar._trailer = None  # the parent's thread; the child starts its own if it needs one
-        _Bar._late.clear()
-        _Bar._lock.release()
+        reporting.after_fork_in_child()
 
     os.register_at_fork(before=before, after_in_parent=parent, after_in_child=child)
 
@@ -1100,14 +773,14 @@ def _guard_forks(pacer: _Pacer) -> None:
 def main(guard: bool = True) -> None:
     """Run the rank; ``guard``: first leave a guardian behind (``_guard``), unless the caller
     is one already (a zygote, which forks this rank)."""
-    global _channel, _sync_marker
+    global _sync_marker
     if guard:
         _guard()
     _sync_marker = os.environ.pop("NBDIST_SYNC", "").encode()
     fd_in = int(os.environ.pop("NBDIST_CTL_IN"))
     fd_out = int(os.environ.pop("NBDIST_CTL_OUT"))
     ctl_in = os.fdopen(fd_in, "rb")
-    chan = _channel = _Channel(os.fdopen(fd_out, "wb"))
+    chan = reporting.channel = FrameWriter(os.fdopen(fd_out, "wb"))
     inbox: queue.Queue[tuple[int, bytes] | None] = queue.Queue()
 
     def watch() -> None:

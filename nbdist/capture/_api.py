@@ -46,7 +46,7 @@ class Captured:
     flags: int = 0  # compiler flags of __future__ features in effect in the notebook
 
     def payload(self) -> CellPayload:
-        """What ``runtime._run_cell`` executes on each rank."""
+        """What the rank runtime executes on each rank (``protocol.CellPayload``)."""
         return {
             "kind": "cell",
             "source": self.source,

@@ -4,7 +4,7 @@
 (imports by name, values with their kind and pickled size, names left out). :func:`write_export`
 writes a standalone script for ``torchrun`` that does not import nbdist: the imports, a loader
 for the values (saved next to it), a stand-in for ``get_ipython()`` when the cell runs shell
-commands (the rank's own, copied from ``runtime.py``), and the cell.
+commands (the rank's own, copied from ``shell.py``), and the cell.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nbdist import runtime
 from nbdist.capture._scope import FUNCS
 from nbdist.capture._ship import human_size
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, last_expr
+from nbdist.shell import RankShell
 
 if TYPE_CHECKING:
     from nbdist.capture._api import Captured
@@ -62,7 +62,7 @@ def _nbdist_load_values():
     class _Loader(pickle.Unpickler):
         def find_class(self, module, name):
             # notebook functions get this script's globals, as they had the notebook's
-            if (module, name) == ("nbdist.runtime", "_cell_namespace"):
+            if (module, name) == ("nbdist.protocol", "cell_namespace"):
                 return globals
             return super().find_class(module, name)
 
@@ -133,8 +133,8 @@ def write_export(captured: Captured, path: Path, np: int) -> list[Path]:
         out.append(_EXPORT_LOADER.format(data=data.name, names=tuple(names)))
     if "get_ipython" in source:
         out.append("# -- IPython's !cmd and %pip, run through a shell --")
-        out.append(_without_annotations(inspect.getsource(runtime._RankShell)))
-        out.append("def get_ipython():\n    return _RankShell(globals())\n\n")
+        out.append(_without_annotations(inspect.getsource(RankShell)))
+        out.append("def get_ipython():\n    return RankShell(globals())\n\n")
     out.append("# -- the cell --")
     last = tree.body[-1] if captured.returns_last and tree.body else None
     if isinstance(last, ast.Expr):

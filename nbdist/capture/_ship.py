@@ -24,11 +24,11 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist import runtime
 from nbdist._pickling import Pickler
 from nbdist.capture._refusals import Refused, kind_of, refusal, rule_for, type_name, unpicklable
 from nbdist.capture._scope import Need
 from nbdist.capture._syntax import Lines
+from nbdist.protocol import cell_namespace
 
 #: Names IPython puts in the user namespace that never travel.
 _IPYTHON_NAMES = frozenset({
@@ -170,7 +170,7 @@ def _attr_paths(source: str, names: Iterable[str]) -> dict[str, set[str]]:
 # -- by value -----------------------------------------------------------------------------------
 class _NamespaceMarker(dict[str, Any]):
     """Stands for the notebook's namespace as the globals of notebook functions: pickled as a
-    reference to ``runtime._cell_namespace``, which the rank's loader maps to the namespace
+    reference to ``protocol.cell_namespace``, which the rank's loader maps to the namespace
     the cell runs in (so notebook functions see what the cell assigns, as in the notebook)."""
 
 
@@ -181,7 +181,7 @@ class _Pickler(Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is _NamespaceMarker:
-            return runtime._cell_namespace, ()
+            return cell_namespace, ()
         rule = rule_for(obj)
         if rule is not None:
             raise Refused(obj, rule)

@@ -149,7 +149,7 @@ def collapsed_summary(job: JobState) -> str:
 
 
 # -- tables ---------------------------------------------------------------------------------------
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     body = [[("" if c is None else str(c)) for c in r] for r in rows]
     cells = [[str(c) for c in header], *body]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -160,7 +160,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _html_table(header: Sequence[str], fields: Sequence[str], rows: Sequence[Sequence[Any]],
+def html_table(header: Sequence[str], fields: Sequence[str], rows: Sequence[Sequence[Any]],
                 raw: frozenset[str] = frozenset()) -> str:
     """An HTML table of rows (named tuples of ``fields``); cells are escaped unless their
     field is in ``raw`` (HTML made here, such as a state badge)."""
@@ -211,7 +211,7 @@ def _job_row(j: JobState) -> JobRow:
 def jobs_table(jobs: Sequence[JobState]) -> str:
     if not jobs:
         return "no nbdist jobs in this kernel yet"
-    return _table(_JOB_COLUMNS, [_job_row(j) for j in jobs])
+    return text_table(_JOB_COLUMNS, [_job_row(j) for j in jobs])
 
 
 class RankRow(NamedTuple):
@@ -286,7 +286,7 @@ def _ranks_block(job: JobState, head: str) -> str:
     if job.reason:
         head += f"\n{job.reason.splitlines()[0]}"
     rows, more = _rank_rows(job)
-    table = _table(_RANK_COLUMNS, rows)
+    table = text_table(_RANK_COLUMNS, rows)
     if more:
         table += f"\n... and {more} more ranks ({_counts(job)})"
     note = silent_note(job)
@@ -323,7 +323,7 @@ def summary_html(job: JobState) -> str:
     """The same as :func:`summary_text` as HTML, for the notebook once the job ended."""
     rows, more = _rank_rows(job)
     rows = [row._replace(state=_badge(row.state)) for row in rows]
-    table = _html_table(_RANK_COLUMNS, RankRow._fields, rows, raw=frozenset({"state"}))
+    table = html_table(_RANK_COLUMNS, RankRow._fields, rows, raw=frozenset({"state"}))
     if more:
         table += f"<div>… and {more} more ranks</div>"
     lines, skipped = _log_tail(job)
@@ -337,7 +337,7 @@ def summary_html(job: JobState) -> str:
 
 
 # -- %dist_status ---------------------------------------------------------------------------------
-class _Report:
+class Report:
     def _text(self) -> str:
         raise NotImplementedError
 
@@ -348,7 +348,7 @@ class _Report:
         p.text(self._text())
 
 
-class JobsReport(_Report):
+class JobsReport(Report):
     """``%dist_status``: this kernel's jobs and the capacity of the backends in use.
 
     Parameters
@@ -383,14 +383,14 @@ class JobsReport(_Report):
                     state=_badge(j.state) + (f" {_badge(SILENT)}" if j.silent_ranks() else ""))
                 for j in self.jobs
             ]
-            table = _html_table(_JOB_COLUMNS, JobRow._fields, rows, raw=frozenset({"state"}))
+            table = html_table(_JOB_COLUMNS, JobRow._fields, rows, raw=frozenset({"state"}))
         else:
             table = "<p>no nbdist jobs in this kernel yet</p>"
         caps = "".join(f"<div>{html.escape(line)}</div>" for line in self._capacity_lines())
         return f"<div class='nbdist-status'>{table}{caps}</div>"
 
 
-class RanksReport(_Report):
+class RanksReport(Report):
     """``%dist_status JOB``: one job's ranks (state, host, pid, GPU, exit code, last lines)."""
 
     def __init__(self, job: JobState) -> None:
@@ -415,7 +415,7 @@ class RanksReport(_Report):
             )
             for row in rows
         ]
-        table = _html_table((*_RANK_COLUMNS[:-1], "last lines"), RankRow._fields, rows,
+        table = html_table((*_RANK_COLUMNS[:-1], "last lines"), RankRow._fields, rows,
                             raw=frozenset({"state", "last_line"}))
         more_html = f"<div>… and {more} more ranks</div>" if more else ""
         note = silent_note(job)

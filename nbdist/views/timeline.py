@@ -12,7 +12,7 @@ import statistics
 
 from nbdist import timeline
 from nbdist.state import JobState
-from nbdist.views.status import MAX_TABLE_ROWS, _html_table, _Report, _table
+from nbdist.views.status import MAX_TABLE_ROWS, Report, html_table, text_table
 
 #: Characters of a rank's bar in the text view.
 BAR_CHARS = 60
@@ -48,7 +48,7 @@ def _seconds(t: float | None, t0: float) -> str:
     return "-" if t is None else f"{t - t0:.3f}"
 
 
-class TimelineReport(_Report):
+class TimelineReport(Report):
     """A job's launch timeline: marks per rank, a bar per rank, and the median phases."""
 
     def __init__(self, job: JobState) -> None:
@@ -92,7 +92,7 @@ class TimelineReport(_Report):
         return "".join(cells)
 
     def _text(self) -> str:
-        parts = [self.head(), _table(["rank", "host", *self.columns], self.rows())]
+        parts = [self.head(), text_table(["rank", "host", *self.columns], self.rows())]
         if self.more:
             parts.append(f"... and {self.more} more ranks (the trace file has them all)")
         width = len(str(max(self.job.np - 1, 0)))
@@ -126,7 +126,7 @@ class TimelineReport(_Report):
         fields = [f"c{i}" for i in range(len(header))]
         rows = [[*row, self._bar_html(rank)]
                 for row, (rank, _, _) in zip(self.rows(), self.ranks, strict=True)]
-        table = _html_table(header, fields, rows, raw=frozenset({fields[-1]}))
+        table = html_table(header, fields, rows, raw=frozenset({fields[-1]}))
         legend = " ".join(
             f"<span style='white-space:nowrap'><span style='display:inline-block;width:10px;"
             f"height:10px;background:{color}'></span> {html.escape(name)}</span>"
