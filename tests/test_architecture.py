@@ -1,0 +1,156 @@
+"""docs/architecture.md's module table tells the truth about the imports, and the layout holds:
+no module reaches into another's private names, and no modules import each other in a cycle."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "nbdist"
+#: Packages whose modules the table describes as one (their insides are their own business).
+WHOLE = ("capture", "views")
+
+
+def _unit(module: str) -> str:
+    """The table's name for a module: ``job.py``, ``capture/``, ``launch/local.py``."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "__init__.py"
+    if parts[0] in WHOLE:
+        return parts[0] + "/"
+    if parts[0] == "launch":
+        return "launch/" + (parts[1] if len(parts) > 1 else "__init__") + ".py"
+    return parts[0] + ".py"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def _runtime_nodes(tree: ast.Module) -> Iterator[ast.AST]:
+    """Every node, except what sits under ``if TYPE_CHECKING:`` (never imported at run time)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _imports() -> dict[str, dict[str, set[str]]]:
+    """For each module of nbdist: the nbdist modules it imports (anywhere in it: at the top or
+    inside a function), and the names it imports from each."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        imports: dict[str, set[str]] = {}
+        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "nbdist":
+                        imports.setdefault(alias.name, set())
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                    node.module.split(".")[0] == "nbdist":
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    if _is_module(sub):
+                        imports.setdefault(sub, set())
+                    else:
+                        imports.setdefault(node.module, set()).add(alias.name)
+        found[_module_name(path)] = imports
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Table name → the table names it imports. The package itself (``import nbdist``, for its
+    version or location) is left out: importing any module of nbdist runs it anyway."""
+    graph: dict[str, set[str]] = {}
+    for module, imports in _imports().items():
+        unit = _unit(module)
+        graph.setdefault(unit, set())
+        graph[unit] |= {_unit(m) for m in imports if m != "nbdist" and _unit(m) != unit}
+    return graph
+
+
+def _table() -> dict[str, set[str]]:
+    """The module table of docs/architecture.md: module → its "imports" column."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    header = next(line for line in text.splitlines() if line.startswith("| module |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    at = columns.index("imports")
+    table: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        for name in re.findall(r"`([^`]+)`", cells[0]):
+            table[name] = set(re.findall(r"`([^`]+)`", cells[at]))
+    return table
+
+
+def test_the_imports_column_matches_the_real_imports() -> None:
+    """Each module in the table imports exactly the modules its "imports" column names."""
+    graph, table = _graph(), _table()
+    assert sorted(table) == sorted(graph), "the table lists other modules than nbdist has"
+    wrong = {m: {"documented": sorted(table[m]), "real": sorted(graph[m])}
+             for m in graph if table[m] != graph[m]}
+    assert not wrong, wrong
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name starting with ``_`` is only used in its own module (or its own package)."""
+    found = []
+    for module, imports in _imports().items():
+        for source, names in imports.items():
+            if _unit(source) == _unit(module):
+                continue
+            found += [f"{module} imports {source}.{n}" for n in names
+                      if n.startswith("_") and not n.startswith("__")]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = {a.asname or a.name for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom))
+                   for a in node.names
+                   if (isinstance(node, ast.Import) and a.name.startswith("nbdist"))
+                   or (isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                       "nbdist") and _is_module(f"{node.module}.{a.name}"))}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in aliases and node.attr.startswith("_") and \
+                    not node.attr.startswith("__"):
+                found.append(f"{_module_name(path)} uses {node.value.id}.{node.attr}")
+    assert not found, found
+
+
+def test_there_is_no_import_cycle() -> None:
+    """The modules import each other one way only: data flows from the magics down to the
+    ranks, and from the events up to the views."""
+    graph = _graph()
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(unit: str, path: list[str]) -> None:
+        state[unit] = 1
+        for dep in sorted(graph.get(unit, ())):
+            if state.get(dep) == 1:
+                cycles.append(" → ".join([*path[path.index(dep):], dep]))
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[unit] = 2
+
+    for unit in sorted(graph):
+        if unit not in state:
+            visit(unit, [unit])
+    assert not cycles, cycles
