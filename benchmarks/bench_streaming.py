@@ -83,11 +83,11 @@ def paced(gate: str, n: int, every: float) -> None:
 def _running(job: jobs.Job, np: int, timeout: float = 300.0) -> None:
     # Every rank waits on the gate, so start-up is not part of what is timed.
     deadline = time.monotonic() + timeout
-    while sum(r.state == "running" for r in job.state.ranks) < np:
+    while sum(r.status == "running" for r in job.state.ranks) < np:
         if time.monotonic() > deadline:
             job.cancel("the benchmark gave up waiting for the ranks")
             raise TimeoutError(f"{np} ranks not all running after {timeout:g} s: "
-                               f"{[r.state for r in job.state.ranks]}")
+                               f"{[r.status for r in job.state.ranks]}")
         time.sleep(0.005)
 
 

@@ -608,7 +608,7 @@ class Job:
 
     def __repr__(self) -> str:
         where = f"{self.np} ranks on {self.launcher.name}"
-        return f"<nbdist job {self.id}: {where}, {self.state.state}>"
+        return f"<nbdist job {self.id}: {where}, {self.state.status}>"
 
 
 def _lost_output(outcomes: list[RankOutcome], address: events.DriverAddress) -> str | None:

@@ -25,10 +25,9 @@ from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError
 from nbdist.protocol import Payload, ScriptPayload
-from nbdist.views import status
+from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
-from nbdist.views.text import TextView
 
 
 @dataclass
@@ -324,7 +323,7 @@ class DistMagics(Magics):
                     if view is not None:
                         view.start()  # renders from its own thread until the job ends
                     return job
-                if isinstance(view, TextView):
+                if view is not None and view.ticks:
                     job.wait(on_tick=view.update)
                 else:
                     if view is not None:
@@ -342,18 +341,12 @@ class DistMagics(Magics):
             self.shell.user_ns[opts.output] = job.results
         return job.result() if returns else None
 
-    def _view(self, job: jobs.Handle) -> Any:
+    def _view(self, job: jobs.Handle) -> LiveView:
         """The panel in a Jupyter kernel with ipywidgets (or when configured), else text."""
         mode = self.view
         if mode == "auto":
             mode = "panel" if _widget_frontend(self.shell) else "text"
-        if mode == "text":
-            return TextView(job.state)
-        from nbdist.views.widget import Panel
-
-        panel = Panel(job.state)
-        panel.show()
-        return panel
+        return live_view(job.state, mode)
 
     @line_magic
     def dist_status(self, line: str) -> None:
@@ -387,11 +380,11 @@ class DistMagics(Magics):
         if job is None:
             raise UsageError(f"no job {args[0]!r}" if args else "no nbdist job to cancel")
         if job.done():
-            print(f"job {job.id} already ended ({job.state.state})")
+            print(f"job {job.id} already ended ({job.state.status})")
             return
         job.cancel("cancelled with %dist_cancel")
         job.wait(jobs.TEARDOWN_S)
-        stopped = [r.rank for r in job.state.ranks if r.state == "cancelled"]
+        stopped = [r.rank for r in job.state.ranks if r.status == "cancelled"]
         ended = ", ".join(f"{n} {s}" for s, n in sorted(job.state.counts().items()))
         print(f"job {job.id} cancelled: ranks {', '.join(map(str, stopped)) or 'none'} "
               f"stopped ({ended})")

@@ -592,7 +592,7 @@ class SessionCell:
         self.state.values_dropped = True
 
     def __repr__(self) -> str:
-        return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.state}>"
+        return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.status}>"
 
 
 def _stop_at_exit() -> None:

@@ -44,7 +44,7 @@ class Line(NamedTuple):
 @dataclass
 class RankState:
     rank: int
-    state: str = PENDING
+    status: str = PENDING  # a RankStatus word
     host: str | None = None
     pid: int | None = None
     gpu: str | None = None
@@ -72,12 +72,17 @@ class RankState:
         return self.lines - len(self.log)
 
     @property
+    def current_bar(self) -> dict[str, Any] | None:
+        """The progress bar the rank updated last: the one every view shows for it."""
+        return self.progress.get(self.bar) if self.bar is not None else None
+
+    @property
     def last_line(self) -> str:
         return self.log[-1].text if self.log else ""
 
     def silent(self, now: float | None = None) -> bool:
         """Whether the rank should be talking (starting, running) but has not for a while."""
-        if self.state not in (STARTING, RUNNING) or self.last_seen is None:
+        if self.status not in (STARTING, RUNNING) or self.last_seen is None:
             return False
         return (time.time() if now is None else now) - self.last_seen >= SILENT_AFTER_S
 
@@ -89,7 +94,7 @@ class JobState:
         self.id = job_id
         self.backend = backend
         self.np = np
-        self.state = PENDING
+        self.status = PENDING  # a RankStatus word: the job's, from its ranks'
         self.created = time.time()
         self.ended: float | None = None
         self.reason = ""  # why it failed / was cancelled, in words
@@ -155,17 +160,17 @@ class JobState:
             r.pid = event["pid"]
         if event.get("host"):
             r.host = event["host"]
-        if new in _ORDER and _ORDER[new] > _ORDER[r.state]:
+        if new in _ORDER and _ORDER[new] > _ORDER[r.status]:
             # Only forward: "running" comes from the rank's interpreter and "starting" from its
             # supervisor, on two threads, so a warm interpreter's "running" may come first.
-            r.state = str(new)
+            r.status = str(new)
             if new in (STARTING, RUNNING) and r.started is None:
                 r.started = time.time()
             if new in FINAL:
                 r.ended = time.time()
                 r.exit_code = event.get("exit")
-            if self.state == PENDING:
-                self.state = RUNNING
+            if self.status == PENDING:
+                self.status = RUNNING
 
     def _output_text(self, r: RankState, stream: str, text: str) -> None:
         """Fold a chunk of output: lines ended by \n, \r\n or \r, then an unfinished rest."""
@@ -219,18 +224,18 @@ class JobState:
             self.merged.append(line)
 
     # -- transitions the job makes itself -------------------------------------------------------
-    def set_rank(self, rank: int, state: str, exit_code: int | None = None) -> None:
+    def set_rank(self, rank: int, status: str, exit_code: int | None = None) -> None:
         with self.lock:
             r = self.ranks[rank]
-            if r.state not in FINAL:
-                r.state = state
-                r.ended = time.time() if state in FINAL else r.ended
+            if r.status not in FINAL:
+                r.status = status
+                r.ended = time.time() if status in FINAL else r.ended
                 r.exit_code = exit_code if exit_code is not None else r.exit_code
             self.version += 1
 
-    def finish(self, state: str, reason: str = "") -> None:
+    def finish(self, status: str, reason: str = "") -> None:
         with self.lock:
-            self.state = state
+            self.status = status
             self.reason = reason
             self.ended = time.time()
             self.series.flush(self.ended)
@@ -255,11 +260,11 @@ class JobState:
 
     @property
     def failed_ranks(self) -> list[int]:
-        return [r.rank for r in self.ranks if r.state == FAILED]
+        return [r.rank for r in self.ranks if r.status == FAILED]
 
     def counts(self) -> dict[str, int]:
         with self.lock:
-            return dict(collections.Counter(r.state for r in self.ranks))
+            return dict(collections.Counter(r.status for r in self.ranks))
 
     def silent_ranks(self, now: float | None = None) -> list[int]:
         """Ranks not heard of for ``SILENT_AFTER_S`` while they should be talking."""

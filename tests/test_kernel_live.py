@@ -154,7 +154,7 @@ for step in tqdm(range({STEPS}), desc="train", mininterval=0):
     assert not any("IOPub message rate exceeded" in s for s in fe.streams)
     shown = execute(kernel, "import json, nbdist.job\nj = nbdist.job.get_job()\n"
                             "print(json.dumps([sum(r.lines for r in j.state.ranks), "
-                            "j.state.state]))")
+                            "j.state.status]))")
     text = "".join(m["content"]["text"] for m in shown if m["msg_type"] == "stream")
     lines, final = json.loads(text)
     assert final == "done" and lines == 2 * (STEPS * 200)

@@ -44,7 +44,7 @@ def test_a_redrawn_line_is_logged_once_in_its_last_form(ip: Any, capsys: Any) ->
             "print()\n")
     printed = capsys.readouterr().out
     job = jobs.get_job()
-    assert job is not None and job.state.state == state.DONE
+    assert job is not None and job.state.status == state.DONE
     r = job.state.ranks[0]
     assert [ln.text for ln in r.log] == ["step 5/5"] and r.status_line == ""
     steps = [line for line in printed.splitlines() if "step" in line]
@@ -80,7 +80,7 @@ def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> Non
         apply(rank, event)
 
     job.state.apply = counting  # type: ignore[method-assign]
-    wait_for(lambda: job.state.state == state.RUNNING, 60, "the ranks to run")
+    wait_for(lambda: job.state.status == state.RUNNING, 60, "the ranks to run")
     gate.touch()
     assert job.results == [0, 0]
     for r in job.state.ranks:  # the job ended only after the last lines were read

@@ -144,7 +144,7 @@ def test_failure_names_the_rank_and_tears_the_others_down() -> None:
     assert list(err.failures) == [1]
     assert 'raise ValueError("bad shard 7")' in err.failures[1]
     assert "nbdist/" not in err.failures[1]  # the user's frames only
-    assert job.state.ranks[0].state == state.CANCELLED and job.state.state == state.FAILED
+    assert job.state.ranks[0].status == state.CANCELLED and job.state.status == state.FAILED
     wait_for(lambda: not rank_processes(), 10, "every rank process to exit")
     rendered = "\n".join(err._render_traceback_())
     assert "--- rank 1" in rendered and "bad shard 7" in rendered
@@ -233,7 +233,7 @@ def test_cancel_stops_every_rank_even_one_ignoring_sigterm() -> None:
         job.result(timeout=30)
     assert info.value.reason == "cancelled"
     assert time.monotonic() - started < 10
-    assert [r.state for r in job.state.ranks] == [state.CANCELLED] * 2
+    assert [r.status for r in job.state.ranks] == [state.CANCELLED] * 2
 
 
 def test_grandchildren_die_with_their_rank() -> None:
@@ -311,7 +311,7 @@ def test_a_silent_rank_still_sends_heartbeats(monkeypatch: pytest.MonkeyPatch,
 
     job = nbdist.run(quiet, str(gate), np=1)
     # After "running", the quiet rank itself sends nothing more: only heartbeats can follow.
-    wait_for(lambda: job.state.ranks[0].state == state.RUNNING, 30, "the rank to run")
+    wait_for(lambda: job.state.ranks[0].status == state.RUNNING, 30, "the rank to run")
     first = job.state.ranks[0].last_seen
     wait_for(lambda: (job.state.ranks[0].last_seen or 0) > (first or 0), 30, "a heartbeat")
     assert job.state.ranks[0].lines == 0 and not job.done()

@@ -20,7 +20,7 @@ def test_lines_progress_metrics_and_states_are_folded_in() -> None:
     job.apply(1, {"t": "state", "state": "starting", "pid": 42, "host": "h"})
     r = job.ranks[1]
     assert r.last_line == "hello" and r.progress[1]["n"] == 5 and r.metrics == {"loss": 0.5}
-    assert r.state == state.STARTING and r.pid == 42 and job.state == state.RUNNING
+    assert r.status == state.STARTING and r.pid == 42 and job.status == state.RUNNING
     assert job.ranks[0].lines == 0
 
 
@@ -93,7 +93,7 @@ def test_every_event_and_heartbeat_marks_the_rank_as_seen() -> None:
     assert job.ranks[0].last_seen is None
     job.apply(0, {"t": "hb"})
     seen = job.ranks[0].last_seen
-    assert seen is not None and job.ranks[0].lines == 0 and job.ranks[0].state == state.PENDING
+    assert seen is not None and job.ranks[0].lines == 0 and job.ranks[0].status == state.PENDING
     job.apply(0, out(("x", "\n")))
     assert job.ranks[0].last_seen is not None and job.ranks[0].last_seen >= seen
 
@@ -120,7 +120,7 @@ def test_rank_states_only_move_forward() -> None:
     job.apply(0, {"t": "state", "state": "running"})
     job.apply(0, {"t": "state", "state": "starting", "pid": 42, "host": "h"})
     r = job.ranks[0]
-    assert r.state == state.RUNNING and r.pid == 42 and r.started is not None
+    assert r.status == state.RUNNING and r.pid == 42 and r.started is not None
     job.apply(0, {"t": "state", "state": "done", "exit": 0})
     job.apply(0, {"t": "state", "state": "running"})
-    assert r.state == state.DONE and r.exit_code == 0
+    assert r.status == state.DONE and r.exit_code == 0

@@ -168,4 +168,4 @@ def test_local_ranks_report_resources_and_a_timeline_whose_trace_opens(
     # The same through the magic.
     ip.run_line_magic("dist_status", f"{job.id} --timeline --trace {tmp_path}/magic.json")
     check_trace(json.loads((tmp_path / "magic.json").read_text()), np=2)
-    assert state.DONE == job.state.state
+    assert state.DONE == job.state.status

@@ -44,7 +44,7 @@ def test_panel_view_runs_a_tqdm_cell_to_a_styled_end(panel_view: Any, capsys: An
     assert "live panel of job" in printed and "[rank 0]" not in printed  # not the text view
     assert "[nbdist] job" in printed and ": done in" in printed  # the static summary
     job = jobs.get_job()
-    assert job is not None and job.state.state == state.DONE
+    assert job is not None and job.state.status == state.DONE
     for r in job.state.ranks:
         bar = r.progress[r.bar] if r.bar is not None else None
         assert bar is not None and bar["n"] == 20 and bar["desc"] == "steps"
@@ -97,8 +97,8 @@ def test_dist_cancel_stops_a_background_job_and_says_who(ip: Any, capsys: Any) -
     run(ip, f"%dist_cancel {job.id}")
     said = capsys.readouterr().out
     assert f"job {job.id} cancelled: ranks 0, 1 stopped" in said
-    assert job.state.state == state.CANCELLED
-    assert {r.state for r in job.state.ranks} == {state.CANCELLED}
+    assert job.state.status == state.CANCELLED
+    assert {r.status for r in job.state.ranks} == {state.CANCELLED}
     wait_for(lambda: not rank_processes(), 10, "the ranks to exit")
     with pytest.raises(nbdist.DistributedError, match="cancelled"):
         job.result()
@@ -124,7 +124,7 @@ def test_strangers_on_the_event_channel_are_rejected_and_the_job_goes_on(
         return "fine"
 
     job = nbdist.run(wait_gate, str(gate), np=2)
-    wait_for(lambda: job.state.state == state.RUNNING, 60, "the job to run")
+    wait_for(lambda: job.state.status == state.RUNNING, 60, "the job to run")
     server = events.shared_server("127.0.0.1")
     before = server.rejected
     for attempt in (b"not json at all\n", None):

@@ -109,18 +109,18 @@ def _badge(state: str) -> str:
 def _elapsed(job: JobState) -> str:
     # While running, whole seconds: the header is re-rendered every tick, and a value that
     # does not change sends no message.
-    return f"{job.elapsed:.1f} s" if job.state in FINAL else f"{job.elapsed:.0f} s"
+    return f"{job.elapsed:.1f} s" if job.status in FINAL else f"{job.elapsed:.0f} s"
 
 
 def header_html(job: JobState) -> str:
     """The panel's header: job, backend, np, state, elapsed, failed ranks, and why it ended."""
     parts = [f"<b>nbdist job {html.escape(job.id)}</b>", html.escape(job.backend),
-             f"{job.np} ranks", _badge(job.state), _elapsed(job), html.escape(_counts(job))]
+             f"{job.np} ranks", _badge(job.status), _elapsed(job), html.escape(_counts(job))]
     failed = job.failed_ranks
     if failed:
         parts.append(f"<b style='color:#c62828'>failed ranks: {_ranks(failed)}</b>")
     text = " · ".join(parts)
-    if job.state in FINAL and job.reason:
+    if job.status in FINAL and job.reason:
         text += f"<br><span style='color:#555'>{html.escape(job.reason.splitlines()[0])}</span>"
     return text
 
@@ -134,7 +134,7 @@ def collapsed_summary(job: JobState) -> str:
     """One line for a job with too many ranks to show each: states and progress spread."""
     fractions = []
     for r in job.ranks:
-        bar = r.progress.get(r.bar) if r.bar is not None else None
+        bar = r.current_bar
         if bar and isinstance(bar.get("total"), (int, float)) and bar["total"]:
             fractions.append(min(1.0, (bar.get("n") or 0) / bar["total"]))
     text = f"{job.np} ranks: {_counts(job)}"
@@ -193,14 +193,14 @@ _JOB_COLUMNS = ("job", "backend", "np", "state", "elapsed", "failed ranks", "res
 
 
 def _result_ready(job: JobState) -> str:
-    if job.state == DONE:
+    if job.status == DONE:
         return "dropped" if job.values_dropped else "yes"
-    return "no" if job.state in FINAL else "-"
+    return "no" if job.status in FINAL else "-"
 
 
 def _job_state(j: JobState) -> str:
     silent = j.silent_ranks()
-    return f"{j.state} ({len(silent)} {SILENT})" if silent else j.state
+    return f"{j.status} ({len(silent)} {SILENT})" if silent else j.status
 
 
 def _job_row(j: JobState) -> JobRow:
@@ -236,18 +236,18 @@ _RANK_COLUMNS = (
 
 def _seen(r: RankState) -> str:
     """How long ago a running rank was last heard of (it sends a heartbeat every 5 s)."""
-    if r.state in FINAL or r.last_seen is None:
+    if r.status in FINAL or r.last_seen is None:
         return "-"
     return f"{_duration(time.time() - r.last_seen)} ago"
 
 
 def rank_state(r: RankState) -> str:
     """The rank's state, or ``silent`` for one that should be talking and is not."""
-    return SILENT if r.silent() else r.state
+    return SILENT if r.silent() else r.status
 
 
 def _rank_row(r: RankState) -> RankRow:
-    bar = r.progress.get(r.bar) if r.bar is not None else None
+    bar = r.current_bar
     return RankRow(r.rank, rank_state(r), r.host, r.pid, r.gpu or "-", r.exit_code, _seen(r),
                    resources_text(r), html.unescape(progress_text(bar)) if bar else "", _last(r))
 
@@ -255,7 +255,7 @@ def _rank_row(r: RankState) -> RankRow:
 def resources_text(r: RankState) -> str:
     """What a running rank uses (``CPU 187% · RSS 1.2 GB · GPU0 93% ...``); "" once it ended
     or before its first sample (``nbdist.resources``)."""
-    if r.resources is None or r.state in FINAL:
+    if r.resources is None or r.status in FINAL:
         return ""
     return r.resources.text()
 
@@ -315,7 +315,7 @@ def summary_text(job: JobState) -> str:
     lines, skipped = _log_tail(job)
     head = [f"[nbdist] ... {skipped} earlier lines not kept here"] if skipped else []
     counts = _counts(job)
-    line = f"[nbdist] job {job.id}: {job.state} in {job.elapsed:.1f} s on {job.backend} ({counts})"
+    line = f"[nbdist] job {job.id}: {job.status} in {job.elapsed:.1f} s on {job.backend} ({counts})"
     return "\n".join([*head, *lines, _ranks_block(job, line)])
 
 
@@ -380,7 +380,7 @@ class JobsReport(Report):
         if self.jobs:
             rows = [
                 _job_row(j)._replace(
-                    state=_badge(j.state) + (f" {_badge(SILENT)}" if j.silent_ranks() else ""))
+                    state=_badge(j.status) + (f" {_badge(SILENT)}" if j.silent_ranks() else ""))
                 for j in self.jobs
             ]
             table = html_table(_JOB_COLUMNS, JobRow._fields, rows, raw=frozenset({"state"}))

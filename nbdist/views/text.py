@@ -35,6 +35,9 @@ class TextView(BackgroundRenderer):
         Where to print; default: ``sys.stdout`` at the time of each write.
     """
 
+    #: Rendered by the thread that waits for the job (``views.LiveView``).
+    ticks = True
+
     def __init__(self, job: JobState, stream: TextIO | None = None) -> None:
         self.job = job
         self.stream = stream
@@ -78,7 +81,7 @@ class TextView(BackgroundRenderer):
             r = self.job.ranks[rank]
             if rank in silent:
                 what = status.silent_since(r)
-            elif r.state in FINAL:
+            elif r.status in FINAL:
                 continue  # it ended (its state says how), which is not being heard from
             else:
                 what = "heard from again"
@@ -91,7 +94,7 @@ class TextView(BackgroundRenderer):
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.update()
-            if self.job.state in FINAL and self.job.ended is not None:
+            if self.job.status in FINAL and self.job.ended is not None:
                 break
             self._stop.wait(1.0 / RATE_HZ)
         self._finish()
@@ -110,7 +113,7 @@ class TextView(BackgroundRenderer):
 def _status_of(r: RankState) -> str:
     """A rank's progress, metrics and self-drawn line, as one line of text."""
     parts = []
-    bar = r.progress.get(r.bar) if r.bar is not None else None
+    bar = r.current_bar
     if bar:
         parts.append(html.unescape(status.progress_text(bar)))
     if r.metrics:
@@ -122,7 +125,7 @@ def _status_of(r: RankState) -> str:
 
 def summary(job: JobState) -> str:
     counts = ", ".join(f"{n} {s}" for s, n in sorted(job.counts().items()))
-    text = f"[nbdist] job {job.id}: {job.state} in {job.elapsed:.1f} s on {job.backend} ({counts})"
+    text = f"[nbdist] job {job.id}: {job.status} in {job.elapsed:.1f} s on {job.backend} ({counts})"
     if job.failed_ranks:
         text += f"; failed ranks: {', '.join(map(str, job.failed_ranks))}"
     return text

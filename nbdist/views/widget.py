@@ -92,13 +92,6 @@ def _fraction(bar: dict[str, Any] | None) -> float:
     return float(max(0.0, min(1.0, n / total)))
 
 
-def current_bar(r: RankState) -> dict[str, Any] | None:
-    """The progress bar a rank updated last (the one its row shows)."""
-    if r.bar is not None and r.bar in r.progress:
-        return r.progress[r.bar]
-    return None
-
-
 class _Row:
     """One rank's row: label (rank, state, host), bar, and a line of details."""
 
@@ -119,9 +112,9 @@ class _Row:
             f"<b>rank {r.rank}</b> {_badge(status.rank_state(r))} "
             f"<span class='nbdist-muted'>{where}</span>"
         ))
-        bar = current_bar(r)
-        sent += _set(self.bar, value=1.0 if r.state == DONE and bar is None else _fraction(bar),
-                     bar_style=_BAR_STYLE.get(r.state, ""))
+        bar = r.current_bar
+        sent += _set(self.bar, value=1.0 if r.status == DONE and bar is None else _fraction(bar),
+                     bar_style=_BAR_STYLE.get(r.status, ""))
         return sent + _set(self.info, value=_details(r, bar))
 
 
@@ -142,7 +135,7 @@ def _details(r: RankState, bar: dict[str, Any] | None) -> str:
         if len(last) > LAST_LINE_CHARS:
             last = last[:LAST_LINE_CHARS] + "…"
         parts.append(f"<span class='nbdist-muted'>{html.escape(last)}</span>")
-    if r.state == FAILED and r.exit_code is not None:
+    if r.status == FAILED and r.exit_code is not None:
         parts.append(f"exit {r.exit_code}")
     return " · ".join(parts) if parts else "<span class='nbdist-muted'>…</span>"
 
@@ -225,7 +218,14 @@ class Panel(BackgroundRenderer):
         self.widget.job_id = job.id
         self.render()
 
+    #: Renders from a thread of its own once started (``views.LiveView``).
+    ticks = False
+
     # -- life ---------------------------------------------------------------------------------
+    def update(self) -> None:
+        """Render now (``views.LiveView``); the panel's own thread does this when started."""
+        self.render()
+
     def show(self) -> None:
         """Display the panel, and an output that the static summary will fill at the end."""
         from IPython import display as ipd
@@ -238,7 +238,7 @@ class Panel(BackgroundRenderer):
         interval = 1.0 / RATE_HZ
         while not self._stop.is_set():
             sent = self.render()
-            if self.job.state in FINAL and self.job.ended is not None:
+            if self.job.status in FINAL and self.job.ended is not None:
                 break
             self._stop.wait(max(interval, sent / MESSAGES_PER_S))
         self._finish()
@@ -279,7 +279,7 @@ class Panel(BackgroundRenderer):
             sent += self.charts.render(final=final)
             sent += self._render_logs(final)
         if final:
-            state = job.state if job.state in FINAL else CANCELLED
+            state = job.status if job.status in FINAL else CANCELLED
             self.widget._dom_classes = (*self.widget._dom_classes, f"nbdist-final-{state}")
         return sent
 
@@ -321,11 +321,11 @@ def _worth_showing(job: JobState, slots: int) -> list[int]:
     """Ranks to give the rows of a collapsed panel: rank 0, failures, silent ranks, then
     the slowest."""
     chosen = [0]
-    chosen += [r.rank for r in job.ranks if r.state == FAILED and r.rank != 0]
+    chosen += [r.rank for r in job.ranks if r.status == FAILED and r.rank != 0]
     chosen += [rank for rank in job.silent_ranks() if rank not in chosen]
     rest = sorted(
         (r for r in job.ranks if r.rank not in chosen),
-        key=lambda r: (r.state in FINAL, _fraction(current_bar(r)), r.rank),
+        key=lambda r: (r.status in FINAL, _fraction(r.current_bar), r.rank),
     )
     chosen += [r.rank for r in rest]
     return sorted(chosen[:slots])

@@ -350,7 +350,7 @@ def unreachable_event_server(target: Target) -> None:
     assert re.search(r"output lost from ranks 0, 1: 8 lines of output and [1-9]\d* "
                      r"progress/metrics updates never reached the notebook", lost), lost
     assert f"cannot reach the driver's event server at {where}: ConnectionRefusedError" in lost
-    assert job.state.state == nbdist.state.DONE
+    assert job.state.status == nbdist.state.DONE
     for r in job.state.ranks:  # each rank's last lines came back with its outcome
         assert [line.text for line in r.log][-2:] == [f"rank {r.rank} step 2",
                                                         f"rank {r.rank} done"]

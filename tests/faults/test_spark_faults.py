@@ -144,7 +144,7 @@ def test_spark_killing_the_tasks_takes_the_ranks_along(spark: rows.Target) -> No
     pids = [p.pid for p in spark.processes()]  # the ranks and their guardians
     job.cancel()  # reaches no supervisor: after CANCEL_GRACE_S Spark kills the tasks
     assert rows.failure(job).reason == "cancelled"
-    assert [r.state for r in job.state.ranks] == [state.CANCELLED] * 2
+    assert [r.status for r in job.state.ranks] == [state.CANCELLED] * 2
     wait_for(lambda: not any(rows.alive(p) for p in pids), GONE_WITHIN_S, "the ranks to end")
 
 

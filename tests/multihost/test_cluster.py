@@ -398,7 +398,7 @@ LOST_TO_END = """
 import nbdist.job as _mh_jobs
 _mh_j = _mh_jobs.jobs()[-1]
 _mh_lost_to_end = _mh_j.state.ended - max(
-    r.last_seen for r in _mh_j.state.ranks if r.state == "failed")
+    r.last_seen for r in _mh_j.state.ranks if r.status == "failed")
 """
 
 

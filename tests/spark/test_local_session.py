@@ -66,7 +66,7 @@ def test_magic_trains_ddp_on_two_spark_ranks(ip: Any, spark_local: SparkSession)
     value = ip.run_cell_magic("distributed", "-np 2 -o spark_ranks --quiet", DDP_CELL)
     ranks = ip.user_ns["spark_ranks"]
     job = jobs.jobs()[-1]
-    assert job.state.backend == "spark" and job.state.state == state.DONE
+    assert job.state.backend == "spark" and job.state.status == state.DONE
     assert value == ranks[0]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept the replicas identical
     # Run by Spark's Python workers (through the rank's guardian, the worker's child).
@@ -133,7 +133,7 @@ def test_failing_rank_raises_its_traceback_and_stops_the_other(
     assert "rank 1 of 2 failed: ValueError: bad shard 7" in str(err)
     assert list(err.failures) == [1]
     assert 'raise ValueError("bad shard 7")' in err.failures[1]
-    assert [r.state for r in job.state.ranks] == [state.CANCELLED, state.FAILED]
+    assert [r.status for r in job.state.ranks] == [state.CANCELLED, state.FAILED]
 
 
 class OtherSparkJob:
@@ -201,7 +201,7 @@ def test_cancel_stops_only_this_job_and_every_rank(
     with pytest.raises(nbdist.DistributedError) as info:
         waiting.result()
     assert info.value.reason == "cancelled"
-    assert [r.state for r in waiting.state.ranks] == [state.CANCELLED] * 2
+    assert [r.status for r in waiting.state.ranks] == [state.CANCELLED] * 2
 
     # One rank fits next to the other job. The stop button is a SIGINT to the kernel, where
     # pyspark's own handler would cancel every Spark job of the session.

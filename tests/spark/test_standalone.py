@@ -38,7 +38,7 @@ def test_four_ranks_over_two_hosts_get_their_gpus_and_one_master(
 
     job = nbdist.run(rank_env, np=4)  # --gpu by default: the cluster has a gpu task resource
     envs = job.results
-    assert job.gpu and job.state.state == state.DONE
+    assert job.gpu and job.state.status == state.DONE
     assert [e["sum"] for e in envs] == [0 + 1 + 2 + 3] * 4
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
