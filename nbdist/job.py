@@ -174,6 +174,34 @@ def default_gpu(launcher: Launcher) -> bool:
     return launcher.capacity().gpus > 0
 
 
+class Owner(Protocol):
+    """What owns a job's ranks besides the job itself: a session, whose ranks take cells after
+    they start (``nbdist.session``). The job tells it what happens to them; ``job`` is the job
+    calling, which the owner may not have been handed yet (ranks talk as soon as they start).
+    """
+
+    def on_event(self, job: Job, rank: int, event: events.Event) -> bool:
+        """An event of a rank, before the job folds it in; True: the owner took it whole."""
+        ...
+
+    def block_buffer(self, job: Job, rank: int, event: events.Event) -> memoryview | None:
+        """Where a binary block goes (``events.JobChannel``)."""
+        ...
+
+    def on_failure(self, job: Job, reason: str) -> None:
+        """The ranks cannot go on (the rendezvous failed, connected ranks fell silent): the
+        owner says so and cancels the job."""
+        ...
+
+    def on_outcome(self, job: Job, outcome: RankOutcome) -> None:
+        """A rank ended (before the job records it)."""
+        ...
+
+    def on_finish(self, job: Job) -> None:
+        """Every rank ended and the job's outcome is known."""
+        ...
+
+
 class Job:
     """A distributed job: ``np`` ranks running one payload.
 
@@ -191,9 +219,12 @@ class Job:
         timeout: float | None = None,
         env: dict[str, str] | None = None,
         label: str = "",
-        session: bool = False,
+        owner: Owner | None = None,
         mlflow: bool = False,
     ) -> None:
+        #: A session's ranks: started without a payload, owned by the session (``Owner``).
+        session = owner is not None
+        self._owner = owner
         self.id = f"{'s' if session else 'j'}{next(_ids)}"
         self.label = label
         self.np = np
@@ -291,6 +322,8 @@ class Job:
             self._server.send(self.id, rank_, {"t": "world", "env": env})
 
     def on_event(self, rank: int, event: events.Event) -> None:
+        if self._owner is not None and self._owner.on_event(self, rank, event):
+            return
         self.state.apply(rank, event)
         if rank == 0 and self._mlflow is not None and event.get("t") == "metrics":
             self._mlflow.put(event.get("values") or {})
@@ -306,7 +339,7 @@ class Job:
 
     def block_buffer(self, rank: int, event: events.Event) -> memoryview | None:
         """Where a binary block goes (``events.JobChannel``); a plain job takes none."""
-        return None
+        return None if self._owner is None else self._owner.block_buffer(self, rank, event)
 
     def on_disconnect(self, rank: int) -> None:
         with self._lock:
@@ -359,6 +392,8 @@ class Job:
 
     # -- outcomes ---------------------------------------------------------------------------
     def _on_outcome(self, outcome: RankOutcome) -> None:
+        if self._owner is not None:
+            self._owner.on_outcome(self, outcome)
         self.state.apply(outcome.rank, {"t": "marks", "at": {timeline.DELIVERED: time.time()}})
         host = outcome.lost_host
         hello = self._hellos.get(outcome.rank)
@@ -407,7 +442,10 @@ class Job:
         return True
 
     def _fail_all(self, reason: str) -> None:
-        self._cancel(reason)
+        if self._owner is not None:
+            self._owner.on_failure(self, reason)
+        else:
+            self._cancel(reason)
 
     def _on_timeout(self) -> None:
         if not self._done.is_set():
@@ -467,6 +505,8 @@ class Job:
         self._done.set()
         if self._size:
             retain(self)
+        if self._owner is not None:
+            self._owner.on_finish(self)
 
     def _load(self, outcome: RankOutcome) -> Any:
         try:
@@ -550,6 +590,20 @@ class Job:
         )
 
     # -- public -----------------------------------------------------------------------------
+    @property
+    def secret(self) -> str:
+        """The job's secret: it signs the ranks' hellos and a session's values."""
+        return self._secret
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the job was cancelled (by the user, a failure, a timeout), or None."""
+        return self._cancel_reason
+
+    def send(self, rank: int, event: events.Event) -> bool:
+        """Send ``event`` to ``rank`` on the event channel; False if it is not connected."""
+        return self._server.send(self.id, rank, event)
+
     def done(self) -> bool:
         """True once every rank has ended and the job's outcome is known."""
         return self._done.is_set()

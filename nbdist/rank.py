@@ -17,7 +17,6 @@ Imports only the standard library and psutil: it runs inside Spark's Python work
 
 from __future__ import annotations
 
-import base64
 import collections
 import json
 import os
@@ -34,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
-from nbdist import events, protocol, timeline, values
+from nbdist import events, protocol, timeline
 from nbdist.lines import LineBatcher, cut_long_lines
 from nbdist.protocol import Frame, HelloEvent, read_frame, write_frame
+from nbdist.rank_cells import SessionCells
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
@@ -63,8 +63,6 @@ TAIL_LINES = 20
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
 PIECES_QUEUED = 2
-#: How long a session cell's value waits for the cell's last output to be forwarded first.
-SYNC_WAIT_S = 2.0
 
 
 class Proc(Protocol):
@@ -306,13 +304,9 @@ class Supervisor:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
-        # A session's cells: the one running, and how many sync markers each stream has shown.
-        self._cell: int | None = None
-        self._quitting = False
-        self._synced = {"o": 0, "e": 0}
-        self._cells_ended = 0
-        self._sync_cond = threading.Condition()
-        self._signer: Any = None  # the running HMAC of the session value being forwarded
+        #: A session's cells (``nbdist.rank_cells``); None for a job's rank.
+        self._cells = SessionCells(spec.secret, self._send, self._rank_rss) if spec.session \
+            else None
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
@@ -327,24 +321,8 @@ class Supervisor:
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
-        elif self.spec.session:
-            self._session_message(msg)
-
-    def _session_message(self, msg: events.Event) -> None:
-        """A session's driver messages: run a cell, interrupt it, end the session."""
-        rp = self._rp
-        kind = msg.get("t")
-        if rp is None:
-            return
-        if kind == "cell":
-            self._cell = int(msg["id"])
-            if not rp.send(Frame.PAYLOAD, base64.b64decode(msg["payload"])):
-                pass  # the rank is gone; its exit ends the session with the reason
-        elif kind == "interrupt":  # the rank's code gets a KeyboardInterrupt
-            rp.send(Frame.INTERRUPT, str(int(msg["id"])).encode())
-        elif kind == "quit":
-            self._quitting = True
-            rp.send(Frame.QUIT, b"")
+        elif self._cells is not None:
+            self._cells.on_message(msg, self._rp)
 
     def mark(self, name: str, at: float | None = None) -> None:
         """Stamp a moment of the launch (``nbdist.timeline``); the first stamp of each counts.
@@ -512,7 +490,8 @@ class Supervisor:
             spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
         )
-        if self._result is not None or (self._quitting and code == 0):
+        quit_asked = self._cells is not None and self._cells.quitting
+        if self._result is not None or (quit_asked and code == 0):
             # The value was delivered and output flushed: a crash after that (torch's teardown
             # abort) does not make the rank a failure. A session's rank ends on ``quit``.
             outcome.status = "done"
@@ -635,60 +614,24 @@ class Supervisor:
                     continue
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
-                    if self.spec.session:
-                        self._cell_value(event)
+                    if self._cells is not None:
+                        self._cells.value(event, self._result_type)
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._send(**event)
             elif kind == Frame.PIECE:
-                self._cell_piece(body)
+                if self._cells is not None:
+                    self._cells.piece(body)
                 rp.piece_done()
-            elif self.spec.session and kind in (Frame.RESULT, Frame.ERROR):
-                self._cell_ended(kind, body)
+            elif self._cells is not None and kind in (Frame.RESULT, Frame.ERROR):
+                self._cells.ended(kind, body, self._result_type)
             elif kind == Frame.RESULT:
                 self._result = body
                 self.mark(timeline.RESULT)
             elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
-
-    def _cell_output_sent(self) -> None:
-        """Wait (at most ``SYNC_WAIT_S``) until the session cell's output went to the driver:
-        the rank wrote a sync marker on each stream before its value or error."""
-        self._cells_ended += 1
-        with self._sync_cond:
-            want = self._cells_ended
-            self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
-
-    def _cell_value(self, event: dict[str, Any]) -> None:
-        """A session cell's value follows in pieces (``nbdist.values``): announce it."""
-        self._cell_output_sent()
-        sizes = [int(s) for s in event.get("sizes") or ()]
-        self._signer = values.signer(self.spec.secret, self._cell or 0, sizes)
-        self._send(t="cell_value", cell=self._cell, sizes=sizes, type=self._result_type)
-
-    def _cell_piece(self, piece: bytes) -> None:
-        if self._signer is not None:
-            self._signer.update(piece)
-            self._send(t="cell_data", cell=self._cell, data=piece)
-
-    def _cell_ended(self, kind: int, body: bytes) -> None:
-        """Send the end of a session cell to the driver: its error, or its value's signature
-        (after the value's pieces)."""
-        cell, self._cell = self._cell, None
-        signer, self._signer = self._signer, None
-        rss = self._rank_rss()  # what the cell left, for %dist_session
-        if kind == Frame.ERROR:
-            self._cell_output_sent()
-            self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
-        elif signer is None:
-            self._send(t="cell_error", cell=cell, rss=rss, error={
-                "type": "RuntimeError", "traceback": "",
-                "message": "the cell's value was not announced"})
-        else:
-            self._send(t="cell_result", cell=cell, type=self._result_type,
-                       mac=signer.hexdigest(), rss=rss)
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
@@ -705,7 +648,10 @@ class Supervisor:
         """
         fd = pipe.fileno()
         _grow_pipe(fd)
-        batcher = LineBatcher(self._strip_sync if self.spec.session else None)
+        cells, rp = self._cells, self._rp
+        marker = rp.sync_marker if rp is not None else ""
+        batcher = LineBatcher(
+            None if cells is None else lambda text: cells.strip_sync(marker, text))
         stopping = False  # the supervisor said stop: one more read of what is there
         # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
         # pipe descriptors above select's FD_SETSIZE, which it refuses.
@@ -730,26 +676,17 @@ class Supervisor:
                         if not data:
                             break
                         chunks, marks = batcher.feed(data, time.monotonic())
-                        if marks:
+                        if marks and cells is not None:
                             # A session cell ended: what it printed goes now, then its value.
                             for chunk in chunks:
                                 self._emit(stream, chunk)
-                            with self._sync_cond:
-                                self._synced[stream] += marks
-                                self._sync_cond.notify_all()
+                            cells.synced(stream, marks)
                             continue
                 for chunk in batcher.take(time.monotonic()):
                     self._emit(stream, chunk)
             rest = batcher.close()
             if rest:
                 self._emit(stream, rest)
-
-    def _strip_sync(self, text: str) -> tuple[str, int]:
-        """``text`` without the rank's sync markers, and how many there were."""
-        rp = self._rp
-        marks = text.count(rp.sync_marker) if rp is not None else 0
-        return (text.replace(rp.sync_marker, ""), marks) if rp is not None and marks else (
-            text, 0)
 
     def _emit(self, stream: str, text: str) -> None:
         text = cut_long_lines(text)

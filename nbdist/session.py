@@ -97,11 +97,13 @@ def shutdown(reason: str) -> None:
         live.stop(reason)
 
 
-class Session(Job):
+class Session:
     """Ranks that stay up between cells; see the module docstring.
 
     ``run_cell`` starts a cell on every rank and returns a :class:`SessionCell`, which the
-    magics and views use like a job.
+    magics and views use like a job. The ranks are a :class:`~nbdist.job.Job` without a
+    payload (``job``), which this session owns (``job.Owner``): it starts, waits on, cancels
+    and ends them as it does any job's, and tells the session what happens to them.
     """
 
     def __init__(
@@ -125,8 +127,38 @@ class Session(Job):
         self.idle_since = time.time()
         self.warning = ""
         self._idle_timer: threading.Timer | None = None
-        super().__init__(None, np, launcher, gpu=gpu, env=env, session=True)
+        self._lock = threading.Lock()
+        self._dead: RankOutcome | None = None  # the rank whose death broke the session
+        #: The session's ranks. Their events may come before this is set: the hooks below
+        #: get the job they come from.
+        self.job = Job(None, np, launcher, gpu=gpu, env=env, owner=self)
         self._arm_idle()
+
+    # -- the ranks ----------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def np(self) -> int:
+        return self.job.np
+
+    @property
+    def launcher(self) -> Launcher:
+        return self.job.launcher
+
+    @property
+    def state(self) -> state.JobState:
+        """The ranks' state (hosts, pids, output between cells)."""
+        return self.job.state
+
+    def done(self) -> bool:
+        """True once every rank has ended."""
+        return self.job.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every rank has ended (True) or ``timeout`` passed (False)."""
+        return self.job.wait(timeout)
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -156,7 +188,7 @@ class Session(Job):
                 f"ready after {timeout:g} s; it was stopped"
             )
         if self.done():
-            why = self.broken or self._cancel_reason or "its ranks ended before they were ready"
+            why = self.broken or self.job.cancel_reason or "its ranks ended before they were ready"
             raise SessionError(f"session {self.id} could not start: {why}")
 
     # -- cells --------------------------------------------------------------------------------
@@ -177,7 +209,7 @@ class Session(Job):
             {**payload, "session": True, "keep": True, "cell": self._cell_ids}))
         message = {"t": "cell", "id": self._cell_ids, "payload": body.decode()}
         for rank in range(self.np):
-            if not self._server.send(self.id, rank, message):
+            if not self.job.send(rank, message):
                 self._fail(f"rank {rank} of session {self.id} is not connected")
                 break
         return cell
@@ -210,76 +242,74 @@ class Session(Job):
         """KeyboardInterrupt in ``cell`` on ``ranks`` (also if it has not started there yet)."""
         number = int(cell.id.rpartition(".")[2])
         for rank in ranks:
-            self._server.send(self.id, rank, {"t": "interrupt", "id": number})
+            self.job.send(rank, {"t": "interrupt", "id": number})
 
-    # -- the channel --------------------------------------------------------------------------
-    def on_event(self, rank: int, event: events.Event) -> None:
+    # -- what the ranks' job tells the session (``job.Owner``) ----------------------------------
+    def on_event(self, job: Job, rank: int, event: events.Event) -> bool:
         kind = event.get("t")
         cell = self._cell
         if isinstance(event.get("rss"), int):
             self.rss[rank] = event["rss"]
         if kind in ("cell_value", "cell_data", "cell_result", "cell_error"):
             if cell is not None:
-                cell.on_rank_end(rank, event, self._secret)
-            return
+                cell.on_rank_end(rank, event, job.secret)
+            return True
         if kind == "names":
             with self._lock:
                 self.names[rank] = {str(n) for n in event.get("names") or ()}
-            return
+            return True
         if kind == "state" and event.get("state") == "ready":
             with self._lock:
                 self._ready.add(rank)
-                if len(self._ready) == self.np:
+                if len(self._ready) == job.np:
                     self._ready_event.set()
-        super().on_event(rank, event)
         if cell is not None and not cell.done() and kind not in ("hb", "state"):
             cell.state.apply(rank, event)
         elif cell is not None and kind == "state" and event.get("state") == "running":
             cell.state.apply(rank, event)
+        return False  # the job folds it into the ranks' state too
 
-    def block_buffer(self, rank: int, event: events.Event) -> memoryview | None:
+    def block_buffer(self, job: Job, rank: int, event: events.Event) -> memoryview | None:
         """A piece of a rank's value is read straight into the value's buffer."""
         cell = self._cell
         if event.get("t") != "cell_data" or cell is None:
             return None
         return cell.buffer_for(rank, event)
 
-    # -- the end ------------------------------------------------------------------------------
-    def _fail(self, reason: str) -> None:
-        """The session cannot go on: mark it broken and tear every rank down."""
-        with self._lock:
-            if self.broken is None and not self._stopping:
-                self.broken = reason
-        self._cancel(reason)
+    def on_failure(self, job: Job, reason: str) -> None:
+        self._fail(reason, job)
 
-    def _fail_all(self, reason: str) -> None:
-        self._fail(reason)
-
-    def _on_outcome(self, outcome: RankOutcome) -> None:
+    def on_outcome(self, job: Job, outcome: RankOutcome) -> None:
         if outcome.status == "failed" and not self._stopping:
             with self._lock:
                 if self.broken is None:
                     self.broken = (
-                        f"{outcome.channel_error}. {unreachable_hint(self.address)}"
+                        f"{outcome.channel_error}. {unreachable_hint(job.address)}"
                         if outcome.channel_error else outcome.describe().splitlines()[0]
                     )
                     self._dead = outcome
-        super()._on_outcome(outcome)
 
-    def _finish(self) -> None:
+    def on_finish(self, job: Job) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        super()._finish()
         cell = self._cell
         if cell is not None and not cell.done():
-            dead: RankOutcome | None = getattr(self, "_dead", None)
+            dead = self._dead
             failures = {dead.rank: dead.describe()} if dead is not None else {}
             cell.end(DistributedError(
-                f"session {self.id} ended while cell {cell.id} ran: "
-                f"{self.broken or self._cancel_reason}", job_id=cell.id, reason="failed",
+                f"session {job.id} ended while cell {cell.id} ran: "
+                f"{self.broken or job.cancel_reason}", job_id=cell.id, reason="failed",
                 failures=failures,
             ))
         self._ready_event.set()
+
+    # -- the end ------------------------------------------------------------------------------
+    def _fail(self, reason: str, job: Job | None = None) -> None:
+        """The session cannot go on: mark it broken and tear every rank down."""
+        with self._lock:
+            if self.broken is None and not self._stopping:
+                self.broken = reason
+        (job or self.job).cancel(reason)
 
     def stop(self, reason: str = "stopped with %dist_session stop") -> None:
         """End the session: every rank leaves (killed after ``STOP_S``); nothing lingers."""
@@ -292,9 +322,9 @@ class Session(Job):
                 job_id=cell.id, reason="cancelled",
             ))
         for rank in range(self.np):
-            self._server.send(self.id, rank, {"t": "quit"})
+            self.job.send(rank, {"t": "quit"})
         if not self.wait(STOP_S):
-            self._cancel(reason)
+            self.job.cancel(reason)
             self.wait(STOP_S)
 
     # -- idle timeout -------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""A session rank's cells, on its supervisor: what ``rank.Supervisor`` does only for a session.
+
+A session's rank starts without a payload; the driver sends each cell on the event channel
+(``{"t": "cell"}``), and this object forwards it to the interpreter, interrupts it, or ends the
+session (``quit``). When a cell ends, the interpreter writes a sync marker on stdout and stderr
+before its value or error: the cell's value or error goes to the driver only once the output
+before the markers did (``SYNC_WAIT_S`` at most), so the notebook shows them in order. A value
+comes in pieces, signed as they pass (``nbdist.values``), its signature last.
+
+Standard library only: this runs on ranks' hosts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from nbdist import values
+from nbdist.protocol import Frame
+
+#: How long a session cell's value waits for the cell's last output to be forwarded first.
+SYNC_WAIT_S = 2.0
+
+
+class _Interpreter(Protocol):
+    """What of the rank's interpreter (``rank.RankProcess``) the cells use."""
+
+    sync_marker: str
+
+    def send(self, kind: int, body: bytes) -> bool: ...
+
+
+class SessionCells:
+    """The cells of one session rank; ``send`` sends an event to the driver."""
+
+    def __init__(self, secret: str, send: Callable[..., None],
+                 rss: Callable[[], int | None]) -> None:
+        self._secret = secret
+        self._send = send
+        self._rss = rss  # the rank's memory, sent with each cell's end (%dist_session)
+        self._cell: int | None = None  # the cell running now
+        #: The driver said ``quit``: the rank's exit with code 0 is its normal end.
+        self.quitting = False
+        self._synced = {"o": 0, "e": 0}  # sync markers each stream has shown
+        self._cells_ended = 0
+        self._sync_cond = threading.Condition()
+        self._signer: Any = None  # the running HMAC of the value being forwarded
+
+    # -- from the driver -----------------------------------------------------------------------
+    def on_message(self, msg: Mapping[str, Any], rank: _Interpreter | None) -> None:
+        """A driver message: run a cell, interrupt it, end the session."""
+        kind = msg.get("t")
+        if rank is None:
+            return
+        if kind == "cell":
+            self._cell = int(msg["id"])
+            # False when the rank is gone: its exit ends the session with the reason.
+            rank.send(Frame.PAYLOAD, base64.b64decode(msg["payload"]))
+        elif kind == "interrupt":  # the rank's code gets a KeyboardInterrupt
+            rank.send(Frame.INTERRUPT, str(int(msg["id"])).encode())
+        elif kind == "quit":
+            self.quitting = True
+            rank.send(Frame.QUIT, b"")
+
+    # -- from the interpreter's output ---------------------------------------------------------
+    @staticmethod
+    def strip_sync(marker: str, text: str) -> tuple[str, int]:
+        """``text`` without the rank's sync markers, and how many there were."""
+        marks = text.count(marker) if marker else 0
+        return (text.replace(marker, ""), marks) if marks else (text, 0)
+
+    def synced(self, stream: str, marks: int) -> None:
+        """``stream``'s output up to ``marks`` more sync markers went to the driver."""
+        with self._sync_cond:
+            self._synced[stream] += marks
+            self._sync_cond.notify_all()
+
+    def _output_sent(self) -> None:
+        """Wait (at most ``SYNC_WAIT_S``) until the cell's output went to the driver."""
+        self._cells_ended += 1
+        with self._sync_cond:
+            want = self._cells_ended
+            self._sync_cond.wait_for(lambda: min(self._synced.values()) >= want, SYNC_WAIT_S)
+
+    # -- from the interpreter's control channel ------------------------------------------------
+    def value(self, event: Mapping[str, Any], result_type: str | None) -> None:
+        """A cell's value follows in pieces (``nbdist.values``): announce it."""
+        self._output_sent()
+        sizes = [int(s) for s in event.get("sizes") or ()]
+        self._signer = values.signer(self._secret, self._cell or 0, sizes)
+        self._send(t="cell_value", cell=self._cell, sizes=sizes, type=result_type)
+
+    def piece(self, piece: bytes) -> None:
+        if self._signer is not None:
+            self._signer.update(piece)
+            self._send(t="cell_data", cell=self._cell, data=piece)
+
+    def ended(self, kind: int, body: bytes, result_type: str | None) -> None:
+        """Send the end of a cell to the driver: its error, or its value's signature (after
+        the value's pieces)."""
+        cell, self._cell = self._cell, None
+        signer, self._signer = self._signer, None
+        rss = self._rss()  # what the cell left, for %dist_session
+        if kind == Frame.ERROR:
+            self._output_sent()
+            self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
+        elif signer is None:
+            self._send(t="cell_error", cell=cell, rss=rss, error={
+                "type": "RuntimeError", "traceback": "",
+                "message": "the cell's value was not announced"})
+        else:
+            self._send(t="cell_result", cell=cell, type=result_type, mac=signer.hexdigest(),
+                       rss=rss)
