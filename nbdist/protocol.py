@@ -286,6 +286,7 @@ class HelloEvent(TypedDict, total=False):
     tf_port: int  # held for the rank's TensorFlow worker (``TF_CONFIG``)
     port: int  # rank 0: a free port for ``MASTER_PORT``
     executor: str  # Spark: the executor's id
+    rank: int  # in the backend's own rendezvous (``rank.Gather``), where no connection says it
 
 
 class OutEvent(TypedDict):

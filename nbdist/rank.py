@@ -267,7 +267,9 @@ class RankOutcome:
 
 #: How a backend shares the ranks' hellos without the event channel: called by every rank with
 #: its own hello, returns all of them in rank order (or raises).
-Gather = Callable[[dict[str, Any]], list[dict[str, Any]]]
+#: The backend's own rendezvous, used when the event server is out of reach: this rank's hello
+#: in, every rank's out (in rank order).
+Gather = Callable[[HelloEvent], list[HelloEvent]]
 
 
 class Supervisor:

@@ -11,13 +11,13 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from nbdist import timeline
 from nbdist.lines import split_lines
 from nbdist.protocol import HEARTBEAT_S as HEARTBEAT_S
 from nbdist.protocol import SILENT_AFTER_S as SILENT_AFTER_S
-from nbdist.protocol import RankStatus
+from nbdist.protocol import ProgressEvent, RankStatus
 from nbdist.resources import Resources
 from nbdist.series import MetricSeries
 
@@ -60,7 +60,7 @@ class RankState:
     # line: only its latest form is kept, and it is cleared once a line of its stream ends.
     status_line: str = ""
     status_stream: str = ""  # the stream ("o"/"e") status_line came from
-    progress: dict[int, dict[str, Any]] = field(default_factory=dict)
+    progress: dict[int, ProgressEvent] = field(default_factory=dict)
     bar: int | None = None  # id of the progress bar updated last (the one views show)
     metrics: dict[str, Any] = field(default_factory=dict)
     resources: Resources | None = None  # the latest sample of its supervisor (resources.py)
@@ -72,7 +72,7 @@ class RankState:
         return self.lines - len(self.log)
 
     @property
-    def current_bar(self) -> dict[str, Any] | None:
+    def current_bar(self) -> ProgressEvent | None:
         """The progress bar the rank updated last: the one every view shows for it."""
         return self.progress.get(self.bar) if self.bar is not None else None
 
@@ -127,7 +127,7 @@ class JobState:
                 # The event itself is the bar (n, total, desc, rate, elapsed): no copy.
                 bar_id = event.get("id", 0)
                 r.bar = bar_id if isinstance(bar_id, int) else 0
-                r.progress[r.bar] = event
+                r.progress[r.bar] = cast(ProgressEvent, event)  # as the rank sent it
                 postfix = event.get("postfix")  # tqdm's set_postfix: metrics at step n
                 if isinstance(postfix, dict):
                     r.metrics.update(postfix)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 
+from nbdist.protocol import HelloEvent
 from nbdist.rank import RankSpec, Supervisor
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,7 +33,7 @@ class _LateWorld(threading.Event):
         return super().wait(timeout)
 
 
-def _hellos(hello: dict[str, Any]) -> list[dict[str, Any]]:
+def _hellos(hello: HelloEvent) -> list[HelloEvent]:
     return [{**hello, "rank": r, "host": "127.0.0.1"} for r in range(2)]
 
 
@@ -58,7 +58,7 @@ def test_a_failed_fallback_rendezvous_is_reported() -> None:
     spec = RankSpec(rank=0, world_size=2, job_id="j", secret="s", driver=("127.0.0.1", 1),
                     payload=b"")
 
-    def broken(hello: dict[str, Any]) -> list[dict[str, Any]]:
+    def broken(hello: HelloEvent) -> list[HelloEvent]:
         raise RuntimeError("barrier aborted")
 
     sup = Supervisor(spec, gather=broken)

@@ -18,14 +18,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from nbdist import runtime, timeline
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest
 from nbdist.launch.zygote import Zygote
-from nbdist.protocol import Frame
+from nbdist.protocol import Frame, HelloEvent
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
@@ -330,11 +329,11 @@ class Hellos:
     def __init__(self, np: int, timeout: float) -> None:
         self._np = np
         self._timeout = timeout
-        self._hellos: dict[int, dict[str, Any]] = {}
+        self._hellos: dict[int, HelloEvent] = {}
         self._cancelled = False
         self._cond = threading.Condition()
 
-    def gather(self, hello: dict[str, Any]) -> list[dict[str, Any]]:
+    def gather(self, hello: HelloEvent) -> list[HelloEvent]:
         with self._cond:
             self._hellos[int(hello["rank"])] = hello
             self._cond.notify_all()

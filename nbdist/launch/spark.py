@@ -38,6 +38,7 @@ from typing import Any
 from nbdist import events, launch
 from nbdist.errors import CapacityError, LaunchError
 from nbdist.launch import Capacity, LaunchRequest
+from nbdist.protocol import HelloEvent
 from nbdist.rank import RankOutcome
 
 #: Executors register a moment after a session starts: in a session younger than
@@ -579,7 +580,7 @@ def run_task(
         scheduled=scheduled,
     )
 
-    def gather(hello: dict[str, Any]) -> list[dict[str, Any]]:
+    def gather(hello: HelloEvent) -> list[HelloEvent]:
         # Only when the event server is out of reach: about a second, and every task takes
         # part (they all fail to reach the same driver address).
         return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]

@@ -28,6 +28,7 @@ from nbdist.state import (
 
 if TYPE_CHECKING:
     from nbdist.launch import Capacity
+    from nbdist.protocol import ProgressEvent
 
 STATE_COLORS = {
     PENDING: "#9e9e9e", STARTING: "#5c6bc0", RUNNING: "#1e88e5",
@@ -57,7 +58,7 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def progress_text(bar: dict[str, Any]) -> str:
+def progress_text(bar: ProgressEvent) -> str:
     """``desc: n/total · rate · ETA`` for one progress bar (plain text, already safe as HTML)."""
     n, total, rate = bar.get("n") or 0, bar.get("total"), bar.get("rate")
     text = f"{n}/{_num(total)}" if total else f"{n} it"

@@ -26,13 +26,16 @@ from __future__ import annotations
 import html
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
 from nbdist.state import CANCELLED, DONE, FAILED, FINAL, JobState, RankState
 from nbdist.views import charts, status
 from nbdist.views._background import BackgroundRenderer
+
+if TYPE_CHECKING:
+    from nbdist.protocol import ProgressEvent
 
 #: Renders per second at most, whatever the event rate.
 RATE_HZ = 10.0
@@ -83,7 +86,7 @@ def _set(widget: w.Widget, **values: Any) -> int:
     return 1
 
 
-def _fraction(bar: dict[str, Any] | None) -> float:
+def _fraction(bar: ProgressEvent | None) -> float:
     if not bar:
         return 0.0
     n, total = bar.get("n") or 0, bar.get("total")
@@ -118,7 +121,7 @@ class _Row:
         return sent + _set(self.info, value=_details(r, bar))
 
 
-def _details(r: RankState, bar: dict[str, Any] | None) -> str:
+def _details(r: RankState, bar: ProgressEvent | None) -> str:
     parts = []
     if r.silent():
         parts.append(f"<b style='color:{status.SILENT_COLOR}'>"
