@@ -82,3 +82,17 @@ def test_keras_notebook_trains_with_mwms_on_two_ranks() -> None:
     assert accuracy > 80
     assert "checkpoints: epoch-1.weights.h5" in summary and "epoch-6.weights.h5" in summary
     assert "workertemp" not in summary  # worker 1 wrote to a temporary directory, removed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_children_notebook_carries_classes_functions_and_logging() -> None:
+    """A rank's spawn DataLoader workers and forkserver pool use the notebook's class and function;
+    the notebook's logging format shows the ranks' log lines live."""
+    texts = execute("04-children.ipynb")
+    train = texts[2]
+    for rank in (0, 1):
+        # sum of i*i for i < 16 is 1240: computed by the workers from the notebook's Squares
+        line = f"[rank {rank}] INFO|train|rank {rank}: sum of squares 1240, cubes [0, 1, 8, 27]"
+        assert line in train
+    assert "(1240.0, [0, 1, 8, 27])" in train
