@@ -533,7 +533,7 @@ class Job:
         if lost is not None and lost.lost_host is not None:
             # Not "rank 2 failed ... nbdist stopped 1, 3": the host went, with all its ranks.
             gone = sorted(o.rank for o in ordered if o.lost_host == lost.lost_host)
-            why = str((lost.error or {}).get("message", ""))
+            why = str(lost.error.get("message", "")) if lost.error is not None else ""
             why = why.removeprefix(f"its Spark executor on {lost.lost_host} was lost: ")
             msg = (f"the Spark executor on {lost.lost_host} was lost, and with it "
                    f"{_ranks(gone)} of {self.np}: {why}")

@@ -35,7 +35,7 @@ from typing import IO, Any, Protocol
 
 from nbdist import events, protocol, timeline
 from nbdist.lines import LineBatcher, cut_long_lines
-from nbdist.protocol import Frame, HelloEvent, read_frame, write_frame
+from nbdist.protocol import ErrorRecord, Frame, HelloEvent, read_frame, write_frame
 from nbdist.rank_cells import SessionCells
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
@@ -231,7 +231,7 @@ class RankOutcome:
     rank: int
     status: str
     result: bytes | None = None
-    error: dict[str, str] | None = None
+    error: ErrorRecord | None = None
     exit_code: int | None = None
     pid: int | None = None
     tail: list[str] = field(default_factory=list)
@@ -302,7 +302,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._proc: Proc | None = None
         self._result: bytes | None = None
-        self._error: dict[str, str] | None = None
+        self._error: ErrorRecord | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
