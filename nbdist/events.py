@@ -48,7 +48,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 log = logging.getLogger(__name__)
 
@@ -617,12 +617,14 @@ class EventClient:
                                         daemon=True)
         self._sender.start()
 
-    def send(self, event: Event) -> bool:
+    def send(self, event: Mapping[str, Any]) -> bool:
         """Queue ``event`` for the driver; False (and counted) when the channel is down.
 
         An event whose ``data`` is bytes (at most ``MAX_BLOCK_BYTES``) travels as a binary
         block.
         """
+        # Queued as it is (``_merge`` may fold later events of its kind into it).
+        event = cast(Event, event)
         kind = event.get("t")
         size = len(event.get("text") or "") + 100  # what matters is the output text
         data = event.get("data")

@@ -139,7 +139,7 @@ class FrameWriter:
         with self.lock:
             write_frame(self._f, kind, body)
 
-    def event(self, **event: Any) -> None:
+    def event(self, event: RankEvent) -> None:
         """Send a JSON event (``Frame.EVENT``)."""
         self.send(Frame.EVENT, json.dumps(event, default=str).encode())
 
@@ -321,13 +321,112 @@ class MetricsEvent(TypedDict, total=False):
 
 
 class StateEvent(TypedDict, total=False):
-    """A rank's status moved (``RankStatus`` words, and ``ready`` for a session rank)."""
+    """A rank's status moved (``RankStatus`` words; ``ready``: its interpreter is up)."""
 
     t: Literal["state"]
     state: str
     pid: int
     host: str
     exit: int | None
+    at: float  # ``ready``: when (``time.time()``)
+
+
+class MarksEvent(TypedDict):
+    """Moments of a rank's launch (``nbdist.timeline``), by name."""
+
+    t: Literal["marks"]
+    at: dict[str, float]
+
+
+class HeartbeatEvent(TypedDict, total=False):
+    """A supervisor is alive (every ``HEARTBEAT_S``), with the rank's memory."""
+
+    t: Literal["hb"]
+    rss: int | None
+
+
+class GpuSample(TypedDict, total=False):
+    """One GPU's use, in a ``ResourcesEvent``."""
+
+    id: str
+    util: int  # percent
+    mem: int  # bytes used
+    total: int  # bytes
+
+
+class ResourcesEvent(TypedDict, total=False):
+    """What a rank's process tree uses (``nbdist.resources``)."""
+
+    t: Literal["res"]
+    rss: int
+    cpu: float  # percent of one core since the last sample
+    gpus: list[GpuSample]
+
+
+class CellValueEvent(TypedDict):
+    """A session cell's value follows in pieces of these ``sizes`` (``nbdist.values``)."""
+
+    t: Literal["cell_value"]
+    cell: int | None
+    sizes: list[int]
+    type: str | None
+
+
+class CellDataEvent(TypedDict):
+    """A piece of a session cell's value (a binary block on the channel)."""
+
+    t: Literal["cell_data"]
+    cell: int | None
+    data: bytes
+
+
+class CellErrorEvent(TypedDict):
+    """A session cell failed on this rank."""
+
+    t: Literal["cell_error"]
+    cell: int | None
+    error: ErrorRecord
+    rss: int | None
+
+
+class CellResultEvent(TypedDict):
+    """A session cell's value is complete: its signature (HMAC of the pieces)."""
+
+    t: Literal["cell_result"]
+    cell: int | None
+    type: str | None
+    mac: str
+    rss: int | None
+
+
+class WarmEvent(TypedDict):
+    """Interpreter → supervisor: the modules to warm up are imported."""
+
+    t: Literal["warm"]
+
+
+class NamesEvent(TypedDict):
+    """``modules``: what the payload imported (the next warm interpreter imports them);
+    ``names``: the session namespace's names after a cell."""
+
+    t: Literal["modules", "names"]
+    names: list[str]
+
+
+class ResultEvent(TypedDict, total=False):
+    """Interpreter → supervisor: a payload's value follows (its type; a session's: the sizes
+    of its pieces)."""
+
+    t: Literal["result"]
+    type: str
+    sizes: list[int]
+
+
+#: Everything a rank sends: its interpreter to its supervisor (``Frame.EVENT``), and its
+#: supervisor to the driver (the event channel).
+RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
+             | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
+             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent)
 
 
 class WorldEvent(TypedDict):

@@ -31,11 +31,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, Any, Protocol
+from typing import IO, Any, Literal, Protocol
 
 from nbdist import events, protocol, timeline
 from nbdist.lines import LineBatcher, cut_long_lines
-from nbdist.protocol import ErrorRecord, Frame, HelloEvent, read_frame, write_frame
+from nbdist.protocol import ErrorRecord, Frame, HelloEvent, RankEvent, read_frame, write_frame
 from nbdist.rank_cells import SessionCells
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
@@ -333,13 +333,13 @@ class Supervisor:
             return
         at = self.marks[name] = time.time() if at is None else at
         if self._client is not None:
-            self._send(t="marks", at={name: at})
+            self._send({"t": "marks", "at": {name: at}})
 
     def _rank_pid_now(self) -> int | None:
         rp = self._rp
         return self._rank_pid or (rp.pid if rp is not None else None)
 
-    def _send(self, **event: Any) -> None:
+    def _send(self, event: RankEvent) -> None:
         client = self._client
         if client is not None and client.send(event):
             return
@@ -359,7 +359,7 @@ class Supervisor:
         hello = self._hello()
         try:
             self._connect(hello)
-            self._send(t="marks", at=dict(self.marks))
+            self._send({"t": "marks", "at": dict(self.marks)})
         except OSError as exc:
             self._channel_error = (
                 f"rank {spec.rank} on {spec.host} cannot reach the driver's event server at "
@@ -479,7 +479,7 @@ class Supervisor:
         proc = self._spawn()
         if proc is None:
             return RankOutcome(spec.rank, "cancelled")
-        self._send(t="state", state="starting", pid=proc.pid, host=spec.host)
+        self._send({"t": "state", "state": "starting", "pid": proc.pid, "host": spec.host})
         # Readable once the pumps are to stop (the rank is gone, PUMP_GRACE_S passed).
         self._stop_r, stop_w = os.pipe()
         try:
@@ -500,7 +500,7 @@ class Supervisor:
         elif self._cancelled.is_set() and self._error is None:
             outcome.status = "cancelled"
         self._result = None  # the outcome has it: the launcher may keep this supervisor
-        self._send(t="state", state=outcome.status, exit=code)
+        self._send({"t": "state", "state": outcome.status, "exit": code})
         outcome.dropped_events, outcome.lost_lines = self._dropped, self._lost_lines
         outcome.channel_error = self._channel_error
         if outcome.channel_error is None and (self._dropped or self._lost_lines):
@@ -594,7 +594,7 @@ class Supervisor:
                     return
             if time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
-                self._send(t="hb", rss=self._rank_rss())
+                self._send({"t": "hb", "rss": self._rank_rss()})
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:
@@ -621,7 +621,7 @@ class Supervisor:
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
-                    self._send(**event)
+                    self._send(event)  # the interpreter's: progress, metrics, its state
             elif kind == Frame.PIECE:
                 if self._cells is not None:
                     self._cells.piece(body)
@@ -642,7 +642,7 @@ class Supervisor:
         pid = self._rank_pid or (rp.pid if rp is not None else None)
         return _rss(pid) if pid is not None else None
 
-    def _pump(self, pipe: Any, stream: str) -> None:
+    def _pump(self, pipe: Any, stream: Literal["o", "e"]) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
 
         Sends ``{"t": "out", "s": stream, "text": chunk}``; what a chunk holds is
@@ -690,7 +690,7 @@ class Supervisor:
             if rest:
                 self._emit(stream, rest)
 
-    def _emit(self, stream: str, text: str) -> None:
+    def _emit(self, stream: Literal["o", "e"], text: str) -> None:
         text = cut_long_lines(text)
         # The last lines, kept to explain a rank that dies without a traceback.
         parts = text.rsplit("\n", TAIL_LINES + 1)
@@ -699,7 +699,7 @@ class Supervisor:
             self._tail.append(line.rstrip("\r").rsplit("\r", 1)[-1])
         if timeline.OUTPUT not in self.marks:
             self.mark(timeline.OUTPUT)
-        self._send(t="out", s=stream, text=text)
+        self._send({"t": "out", "s": stream, "text": text})
 
     # -- teardown -------------------------------------------------------------------------------
     def cancel(self) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from nbdist import values
-from nbdist.protocol import Frame
+from nbdist.protocol import Frame, RankEvent
 
 #: How long a session cell's value waits for the cell's last output to be forwarded first.
 SYNC_WAIT_S = 2.0
@@ -36,7 +36,7 @@ class _Interpreter(Protocol):
 class SessionCells:
     """The cells of one session rank; ``send`` sends an event to the driver."""
 
-    def __init__(self, secret: str, send: Callable[..., None],
+    def __init__(self, secret: str, send: Callable[[RankEvent], None],
                  rss: Callable[[], int | None]) -> None:
         self._secret = secret
         self._send = send
@@ -91,12 +91,12 @@ class SessionCells:
         self._output_sent()
         sizes = [int(s) for s in event.get("sizes") or ()]
         self._signer = values.signer(self._secret, self._cell or 0, sizes)
-        self._send(t="cell_value", cell=self._cell, sizes=sizes, type=result_type)
+        self._send({"t": "cell_value", "cell": self._cell, "sizes": sizes, "type": result_type})
 
     def piece(self, piece: bytes) -> None:
         if self._signer is not None:
             self._signer.update(piece)
-            self._send(t="cell_data", cell=self._cell, data=piece)
+            self._send({"t": "cell_data", "cell": self._cell, "data": piece})
 
     def ended(self, kind: int, body: bytes, result_type: str | None) -> None:
         """Send the end of a cell to the driver: its error, or its value's signature (after
@@ -106,11 +106,11 @@ class SessionCells:
         rss = self._rss()  # what the cell left, for %dist_session
         if kind == Frame.ERROR:
             self._output_sent()
-            self._send(t="cell_error", cell=cell, error=json.loads(body), rss=rss)
+            self._send({"t": "cell_error", "cell": cell, "error": json.loads(body), "rss": rss})
         elif signer is None:
-            self._send(t="cell_error", cell=cell, rss=rss, error={
+            self._send({"t": "cell_error", "cell": cell, "rss": rss, "error": {
                 "type": "RuntimeError", "traceback": "",
-                "message": "the cell's value was not announced"})
+                "message": "the cell's value was not announced"}})
         else:
-            self._send(t="cell_result", cell=cell, type=result_type, mac=signer.hexdigest(),
-                       rss=rss)
+            self._send({"t": "cell_result", "cell": cell, "type": result_type,
+                        "mac": signer.hexdigest(), "rss": rss})

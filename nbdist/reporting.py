@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from nbdist.protocol import FrameWriter
+from nbdist.protocol import FrameWriter, ProgressEvent
 
 T = TypeVar("T")
 
@@ -74,13 +74,13 @@ class Bar:
             self._last, self._sent = now, self.n
             elapsed = now - self.start
             rate = self.n / elapsed if elapsed > 0 else None
-            extra: dict[str, Any] = {}
+            event: ProgressEvent = {"t": "progress", "id": self.id, "n": self.n,
+                                    "total": self.total, "desc": self.desc, "rate": rate,
+                                    "elapsed": elapsed}
             if self.postfix:
-                extra = {"postfix": self.postfix, "step": self._steps_before + self.n}
-            channel.event(
-                t="progress", id=self.id, n=self.n, total=self.total, desc=self.desc,
-                rate=rate, elapsed=elapsed, **extra,
-            )
+                event["postfix"] = self.postfix
+                event["step"] = self._steps_before + self.n
+            channel.event(event)
 
     @staticmethod
     def _trail() -> None:
@@ -121,7 +121,7 @@ class Reports(Bar):
                 return
             self._last, self._sent = time.monotonic(), self.n
             values, self.values = self.values, {}
-            channel.event(t="metrics", values=values, step=self.n)
+            channel.event({"t": "metrics", "values": values, "step": self.n})
 
 
 def progress(

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from nbdist.protocol import GpuSample, ResourcesEvent
 
 #: How often a rank's resources are measured and sent. Views refresh at ~10 Hz, but CPU and
 #: memory move slowly, and each sample walks the rank's process tree (``/proc``).
@@ -55,7 +57,7 @@ class Resources:
     at: float = 0.0  # the driver's time.time() when it arrived
 
     @classmethod
-    def from_event(cls, event: dict[str, Any], at: float) -> Resources:
+    def from_event(cls, event: Mapping[str, Any], at: float) -> Resources:
         """Read a ``res`` event; fields of the wrong type are left out, never trusted."""
         cpu, rss = event.get("cpu"), event.get("rss")
         gpus = []
@@ -123,10 +125,10 @@ class _Gpus:
                 continue
             self.handles.append((gid, handle))
 
-    def sample(self) -> list[dict[str, Any]]:
+    def sample(self) -> list[GpuSample]:
         out = []
         for gid, handle in self.handles:
-            g: dict[str, Any] = {"id": gid}
+            g: GpuSample = {"id": gid}
             try:
                 g["util"] = int(self.nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
             except Exception:  # NVMLError_NotSupported on some devices (MIG slices)
@@ -161,7 +163,7 @@ class Sampler:
     """
 
     def __init__(self, pid: Callable[[], int | None], gpus: Sequence[str],
-                 send: Callable[..., None], every: float = SAMPLE_S) -> None:
+                 send: Callable[[ResourcesEvent], None], every: float = SAMPLE_S) -> None:
         self._pid = pid
         self._gpu_ids = tuple(gpus)
         self._send = send
@@ -195,11 +197,11 @@ class Sampler:
             while not self._stop.wait(self._every if self._last else min(self._every, 0.25)):
                 event = self.sample(gpus)
                 if event:
-                    self._send(t="res", **event)
+                    self._send(event)
         finally:
             gpus.close()
 
-    def sample(self, gpus: _Gpus | None = None) -> dict[str, Any]:
+    def sample(self, gpus: _Gpus | None = None) -> ResourcesEvent:
         """One sample of the rank's tree (empty while the rank has no process)."""
         import psutil
 
@@ -227,7 +229,7 @@ class Sampler:
             cpu[key] = total
             # A process new since the last sample counts from its start (its whole CPU time).
             used += total - self._cpu.get(key, 0.0)
-        event: dict[str, Any] = {"rss": rss}
+        event: ResourcesEvent = {"t": "res", "rss": rss}
         if self._last:
             event["cpu"] = round(100.0 * max(0.0, used) / max(now - self._last, 1e-3), 1)
         self._cpu, self._last = cpu, now

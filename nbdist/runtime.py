@@ -139,7 +139,7 @@ def _run_cell(payload: CellPayload) -> Any:
 def _mark(name: str) -> None:
     """Stamp a moment of the launch timeline (``nbdist.timeline``) for the supervisor."""
     if reporting.channel is not None:
-        reporting.channel.event(t="marks", at={name: time.time()})
+        reporting.channel.event({"t": "marks", "at": {name: time.time()}})
 
 
 def _run_script(payload: ScriptPayload) -> Any:
@@ -503,14 +503,14 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
             return
         if frame[0] == Frame.WARM:
             _warm(json.loads(frame[1]))
-            chan.event(t="warm")
+            chan.event({"t": "warm"})
             continue
         if frame[0] == Frame.ENV:
             _set_env(json.loads(frame[1]))
             continue
         payload: Payload = cloudpickle.loads(frame[1])
         reporting.bridge_tqdm()
-        chan.event(t="state", state="running")
+        chan.event({"t": "state", "state": "running"})
         try:
             _interruptible.set()
             try:
@@ -536,9 +536,9 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                     return
                 continue
         finally:
-            chan.event(t="modules", names=_imported_since(_AT_START))
+            chan.event({"t": "modules", "names": _imported_since(_AT_START)})
             if payload.get("session"):
-                chan.event(t="names", names=session_names())
+                chan.event({"t": "names", "names": session_names()})
         _flush_all()
         if payload.get("session"):
             _mark_synced()
@@ -559,13 +559,13 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
             kind = type(value)
             name = f"{kind.__module__}.{kind.__qualname__}"
             if payload.get("session"):
-                chan.event(t="result", type=name, sizes=[s.nbytes for s in segments])
+                chan.event({"t": "result", "type": name, "sizes": [s.nbytes for s in segments]})
                 for seg in segments:
                     for start in range(0, seg.nbytes, values.CHUNK):
                         chan.send(Frame.PIECE, seg[start:start + values.CHUNK])
                 chan.send(Frame.RESULT, b"")
             else:
-                chan.event(t="result", type=name)
+                chan.event({"t": "result", "type": name})
                 chan.send(Frame.RESULT, segments[0])
             del segments
         if not payload.get("keep"):
@@ -633,7 +633,7 @@ def main(guard: bool = True) -> None:
     pacer = Pacer()
     pacer.install()
     _guard_forks(pacer)
-    chan.event(t="state", state="ready", pid=os.getpid(), at=time.time())
+    chan.event({"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()})
     code = 0
     try:
         _serve(inbox, chan)

@@ -17,6 +17,7 @@ from IPython.core.error import UsageError
 import nbdist
 from nbdist import resources, state, timeline
 from nbdist.magics import parse_status
+from nbdist.protocol import ResourcesEvent
 from nbdist.views import status
 from nbdist.views import timeline as timeline_view
 
@@ -86,10 +87,10 @@ def test_sampler_counts_the_cpu_and_memory_of_the_whole_process_tree() -> None:
             "'b = bytearray(200 * 1024 * 1024)\\nwhile True: pass'])")
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
-        sampler = resources.Sampler(lambda: proc.pid, (), lambda **e: None)
+        sampler = resources.Sampler(lambda: proc.pid, (), lambda e: None)
         first = sampler.sample()
         assert "cpu" not in first  # a CPU share needs an interval
-        samples: list[dict[str, Any]] = []
+        samples: list[ResourcesEvent] = []
 
         def busy() -> bool:
             time.sleep(0.5)  # the interval the share is measured over
