@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -109,8 +110,11 @@ class JobState:
         self.series = MetricSeries(np, self.created)  # every rank's metrics, for the charts
 
     # -- events ---------------------------------------------------------------------------------
-    def apply(self, rank: int, event: dict[str, Any]) -> None:
-        """Fold one rank event into the state."""
+    def apply(self, rank: int, event: Mapping[str, Any]) -> None:
+        """Fold one rank event into the state.
+
+        ``event`` is a ``protocol.RankEvent`` as it came off the network: every field is
+        checked here before it is used, and what does not fit is ignored."""
         if not 0 <= rank < self.np:
             return
         kind = event.get("t")
@@ -152,7 +156,7 @@ class JobState:
                 r.gpu = ",".join(map(str, gpus)) or None
             self.version += 1
 
-    def _rank_state(self, r: RankState, event: dict[str, Any]) -> None:
+    def _rank_state(self, r: RankState, event: Mapping[str, Any]) -> None:
         new = event.get("state")
         if new == "ready":
             return

@@ -3,6 +3,7 @@ flushed, long lines cut, a stalled bar's latest count."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> Non
     events_seen: list[int] = []
     apply = job.state.apply
 
-    def counting(rank: int, event: dict[str, Any]) -> None:
+    def counting(rank: int, event: Mapping[str, Any]) -> None:
         if event.get("t") == "out":
             events_seen.append(rank)
         apply(rank, event)
