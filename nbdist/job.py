@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from nbdist import _pickling, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
-from nbdist.protocol import CallPayload, Payload
+from nbdist.protocol import CallPayload, Payload, RankStatus
 from nbdist.rank import RankOutcome
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
@@ -397,14 +397,15 @@ class Job:
         self.state.apply(outcome.rank, {"t": "marks", "at": {timeline.DELIVERED: time.time()}})
         host = outcome.lost_host
         hello = self._hellos.get(outcome.rank)
-        if host is not None and hello is not None and outcome.status in ("failed", "cancelled"):
+        ended_badly = outcome.status in (RankStatus.FAILED, RankStatus.CANCELLED)
+        if host is not None and hello is not None and ended_badly:
             # The backend lost a host: the ranks that were on it went with it, the others
             # were stopped with the stage, whichever rank Spark happened to blame.
             if not hello.on(host):
-                outcome = dataclasses.replace(outcome, status="cancelled", error=None,
+                outcome = dataclasses.replace(outcome, status=RankStatus.CANCELLED, error=None,
                                               lost_host=None)
-            elif outcome.status == "cancelled":
-                outcome = dataclasses.replace(outcome, status="failed", error={
+            elif outcome.status == RankStatus.CANCELLED:
+                outcome = dataclasses.replace(outcome, status=RankStatus.FAILED, error={
                     "type": "ExecutorLost", "traceback": "",
                     "message": f"its Spark executor on {host} was lost",
                 })
@@ -415,7 +416,7 @@ class Job:
         self.state.set_rank(outcome.rank, outcome.status, outcome.exit_code)
         with self._lock:
             self._outcomes[outcome.rank] = outcome
-            first = outcome.status == "failed" and self._first_failure is None
+            first = outcome.status == RankStatus.FAILED and self._first_failure is None
             if first:
                 self._first_failure = outcome.rank
             complete = len(self._outcomes) == self.np
@@ -469,7 +470,7 @@ class Job:
             self._timer.cancel()
         self._server.remove_job(self.id)
         outcomes = [self._outcomes[r] for r in range(self.np)]
-        failed = [o for o in outcomes if o.status == "failed"]
+        failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
         if self._unheard:
             error = self._unheard_error()
@@ -477,7 +478,7 @@ class Job:
             error = self._timeout_error()
         elif failed:
             error = self._failure_error(failed)
-        elif any(o.status == "cancelled" for o in outcomes):
+        elif any(o.status == RankStatus.CANCELLED for o in outcomes):
             error = DistributedError(
                 f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
                 f"were stopped", job_id=self.id, reason="cancelled",
@@ -544,7 +545,7 @@ class Job:
             msg = f"rank {first.rank} of {self.np} failed: {what}"
             if others:
                 msg += f" (ranks {', '.join(map(str, others))} failed after it)"
-        stopped = [o.rank for o in self._outcomes.values() if o.status == "cancelled"]
+        stopped = [o.rank for o in self._outcomes.values() if o.status == RankStatus.CANCELLED]
         if stopped:
             msg += f"; nbdist stopped ranks {', '.join(map(str, sorted(stopped)))}"
         return DistributedError(

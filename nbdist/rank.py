@@ -35,7 +35,15 @@ from typing import IO, Any, Literal, Protocol
 
 from nbdist import events, protocol, timeline
 from nbdist.lines import LineBatcher, cut_long_lines
-from nbdist.protocol import ErrorRecord, Frame, HelloEvent, RankEvent, read_frame, write_frame
+from nbdist.protocol import (
+    ErrorRecord,
+    Frame,
+    HelloEvent,
+    RankEvent,
+    RankStatus,
+    read_frame,
+    write_frame,
+)
 from nbdist.rank_cells import SessionCells
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
@@ -229,7 +237,7 @@ class RankOutcome:
     """How one rank ended. ``status`` is ``done``, ``failed`` or ``cancelled``."""
 
     rank: int
-    status: str
+    status: RankStatus
     result: bytes | None = None
     error: ErrorRecord | None = None
     exit_code: int | None = None
@@ -257,7 +265,7 @@ class RankOutcome:
             except ValueError:
                 name = f"signal {-code}"
             how = f"rank {self.rank} was killed by {name}"
-        elif self.status == "cancelled":
+        elif self.status == RankStatus.CANCELLED:
             how = f"rank {self.rank} was stopped by nbdist"
         else:
             how = f"rank {self.rank} exited with code {code} before returning a result"
@@ -367,9 +375,11 @@ class Supervisor:
             )
             # A session's cells come over the channel: without it there is nothing to run.
             if self._gather is None or spec.session:
-                return RankOutcome(spec.rank, "failed", channel_error=self._channel_error, error={
-                    "type": "ConnectionError", "traceback": "", "message": self._channel_error,
-                })
+                return RankOutcome(
+                    spec.rank, RankStatus.FAILED, channel_error=self._channel_error, error={
+                        "type": "ConnectionError", "traceback": "",
+                        "message": self._channel_error,
+                    })
             threading.Thread(
                 target=self._world_without_channel, args=(self._gather, hello), daemon=True,
                 name=f"nbdist-gather-{spec.rank}",
@@ -464,21 +474,21 @@ class Supervisor:
     def _run_rank(self) -> RankOutcome:
         spec = self.spec
         if not self._wait_world():
-            status = "cancelled" if self._cancelled.is_set() else "failed"
+            status = RankStatus.CANCELLED if self._cancelled.is_set() else RankStatus.FAILED
             why = f"rank {spec.rank} got no rendezvous from the driver"
             if self._channel_error is not None:
                 why = (f"{self._channel_error}; and the rendezvous without it failed: "
                        f"{self._gather_error or 'no answer'}")
             return RankOutcome(
                 spec.rank, status, channel_error=self._channel_error,
-                error=None if status == "cancelled" else {
+                error=None if status == RankStatus.CANCELLED else {
                     "type": "TimeoutError" if self._channel_error is None else "ConnectionError",
                     "traceback": "", "message": why,
                 },
             )
         proc = self._spawn()
         if proc is None:
-            return RankOutcome(spec.rank, "cancelled")
+            return RankOutcome(spec.rank, RankStatus.CANCELLED)
         self._send({"t": "state", "state": "starting", "pid": proc.pid, "host": spec.host})
         # Readable once the pumps are to stop (the rank is gone, PUMP_GRACE_S passed).
         self._stop_r, stop_w = os.pipe()
@@ -489,16 +499,16 @@ class Supervisor:
             os.close(stop_w)
         self._ctl_thread.join(timeout=5)
         outcome = RankOutcome(
-            spec.rank, "failed", result=self._result, error=self._error, exit_code=code,
+            spec.rank, RankStatus.FAILED, result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
         )
         quit_asked = self._cells is not None and self._cells.quitting
         if self._result is not None or (quit_asked and code == 0):
             # The value was delivered and output flushed: a crash after that (torch's teardown
             # abort) does not make the rank a failure. A session's rank ends on ``quit``.
-            outcome.status = "done"
+            outcome.status = RankStatus.DONE
         elif self._cancelled.is_set() and self._error is None:
-            outcome.status = "cancelled"
+            outcome.status = RankStatus.CANCELLED
         self._result = None  # the outcome has it: the launcher may keep this supervisor
         self._send({"t": "state", "state": outcome.status, "exit": code})
         outcome.dropped_events, outcome.lost_lines = self._dropped, self._lost_lines

@@ -42,7 +42,7 @@ from nbdist.job import (
     unreachable_hint,
 )
 from nbdist.launch import Launcher
-from nbdist.protocol import Payload
+from nbdist.protocol import Payload, RankStatus
 from nbdist.rank import RankOutcome
 from nbdist.waiting import wait_loop
 
@@ -280,7 +280,7 @@ class Session:
         self._fail(reason, job)
 
     def on_outcome(self, job: Job, outcome: RankOutcome) -> None:
-        if outcome.status == "failed" and not self._stopping:
+        if outcome.status == RankStatus.FAILED and not self._stopping:
             with self._lock:
                 if self.broken is None:
                     self.broken = (

@@ -24,7 +24,7 @@ from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest
 from nbdist.launch.zygote import Zygote
-from nbdist.protocol import Frame, HelloEvent
+from nbdist.protocol import Frame, HelloEvent, RankStatus
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
@@ -476,7 +476,7 @@ def _run(sup: Supervisor, on_outcome: Callable[[RankOutcome], None],
             sup.mark(timeline.PRELOADED)
         outcome = sup.run()
     except BaseException as exc:  # a bug in nbdist must still end the job, not hang it
-        outcome = RankOutcome(sup.spec.rank, "failed", error={
+        outcome = RankOutcome(sup.spec.rank, RankStatus.FAILED, error={
             "type": type(exc).__name__, "traceback": "",
             "message": f"nbdist's supervisor of rank {sup.spec.rank} failed: {exc!r}",
         })

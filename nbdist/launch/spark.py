@@ -38,7 +38,7 @@ from typing import Any
 from nbdist import events, launch
 from nbdist.errors import CapacityError, LaunchError
 from nbdist.launch import Capacity, LaunchRequest
-from nbdist.protocol import HelloEvent
+from nbdist.protocol import HelloEvent, RankStatus
 from nbdist.rank import RankOutcome
 
 #: Executors register a moment after a session starts: in a session younger than
@@ -371,24 +371,24 @@ class SparkLauncher:
         counts the others as stopped.
         """
         if self._killed or (self._cancelled and error is None):
-            return RankOutcome(rank, "cancelled")
+            return RankOutcome(rank, RankStatus.CANCELLED)
         if error is None:
-            return RankOutcome(rank, "failed", error={
+            return RankOutcome(rank, RankStatus.FAILED, error={
                 "type": "LaunchError", "traceback": "",
                 "message": f"the barrier task of rank {rank} returned no outcome",
             })
         if culprit is not None and culprit != rank:
             # Spark stopped it with the failed stage
-            return RankOutcome(rank, "cancelled", lost_host=lost_host)
+            return RankOutcome(rank, RankStatus.CANCELLED, lost_host=lost_host)
         stage, cause = _spark_reason(error)
         if lost_host is not None:
-            return RankOutcome(rank, "failed", lost_host=lost_host, error={
+            return RankOutcome(rank, RankStatus.FAILED, lost_host=lost_host, error={
                 "type": "ExecutorLost",
                 "message": f"its Spark executor on {lost_host} was lost: {cause}",
                 "traceback": f"rank {rank}'s Spark executor on {lost_host} was lost: "
                 f"{cause}\n{stage}\n",
             })
-        return RankOutcome(rank, "failed", error={
+        return RankOutcome(rank, RankStatus.FAILED, error={
             "type": "SparkTaskFailed", "message": f"its Spark task failed: {cause}",
             "traceback": f"rank {rank}'s Spark task failed: {cause}\n{stage}\n",
         })
@@ -480,7 +480,7 @@ def _outcome(rank: int, fields: _Fields) -> RankOutcome:
     """A RankOutcome from a task's fields; fields this nbdist does not know are dropped."""
     known = {f.name for f in dataclasses.fields(RankOutcome)}
     kept = {k: v for k, v in fields.items() if k in known and k != "rank"}
-    kept.setdefault("status", "failed")
+    kept["status"] = RankStatus(kept.get("status", RankStatus.FAILED))  # its word, pickled
     return RankOutcome(rank, **kept)
 
 
@@ -537,6 +537,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
             import socket
             import sys
 
+            # The word, not RankStatus: this closure must unpickle where nbdist is missing.
             yield rank, {"status": "failed", "error": {
                 "type": "ImportError", "traceback": "",
                 "message": f"nbdist cannot be imported by the Spark executors' Python "
@@ -564,7 +565,7 @@ def run_task(
     from nbdist.rank import RankSpec, supervise
 
     if nbdist.__version__ != version:
-        return {"status": "failed", "error": {
+        return {"status": RankStatus.FAILED, "error": {
             "type": "ImportError", "traceback": "",
             "message": f"the notebook has nbdist {version} but the Spark executors' Python "
             f"({sys.executable}) has nbdist {nbdist.__version__}: install the same version on "
@@ -588,7 +589,7 @@ def run_task(
     try:
         outcome = supervise(spec, gather)
     except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
-        outcome = RankOutcome(rank, "failed", error={
+        outcome = RankOutcome(rank, RankStatus.FAILED, error={
             "type": type(exc).__name__, "traceback": traceback.format_exc(),
             "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
         })
