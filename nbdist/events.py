@@ -123,7 +123,7 @@ def sign(secret: str, nonce: str, job_id: str, rank: int) -> str:
     return hmac.new(bytes.fromhex(secret), msg, hashlib.sha256).hexdigest()
 
 
-def encode(event: Event) -> bytes:
+def encode(event: Mapping[str, Any]) -> bytes:
     return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
@@ -227,7 +227,7 @@ class EventServer:
         for conn in gone:
             self._wake_close(conn)
 
-    def send(self, job_id: str, rank: int, event: Event) -> bool:
+    def send(self, job_id: str, rank: int, event: Mapping[str, Any]) -> bool:
         """Send ``event`` to one rank's supervisor; False when it is not connected."""
         with self._lock:
             conn = self._conns.get((job_id, rank))

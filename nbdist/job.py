@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from nbdist import _pickling, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
-from nbdist.protocol import CallPayload, Payload, RankStatus
+from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
 from nbdist.rank import RankOutcome
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
@@ -309,7 +309,7 @@ class Job:
         if reason is not None:
             # A rank that connects after the cancel (a Spark task that started late) must not
             # get the rendezvous and run the user's code: stop it instead.
-            self._server.send(self.id, rank, {"t": "cancel", "reason": reason})
+            self.send(rank, {"t": "cancel", "reason": reason})
             return
         try:
             envs = plan_world(
@@ -319,7 +319,7 @@ class Job:
             self._fail_all(f"the rendezvous failed: {exc}")
             return
         for rank_, env in envs.items():
-            self._server.send(self.id, rank_, {"t": "world", "env": env})
+            self.send(rank_, {"t": "world", "env": env})
 
     def on_event(self, rank: int, event: events.Event) -> None:
         if self._owner is not None and self._owner.on_event(self, rank, event):
@@ -360,7 +360,7 @@ class Job:
             if now >= next_ping:
                 next_ping = now + PING_S
                 for rank in range(self.np):
-                    self._server.send(self.id, rank, {"t": "ping"})
+                    self.send(rank, {"t": "ping"})
             lost = self._silent_connected(timeout)
             if lost:
                 self._lose(lost, timeout)
@@ -462,7 +462,7 @@ class Job:
                 r for r in range(self.np) if r not in self._outcomes
             ]
         for rank in range(self.np):
-            self._server.send(self.id, rank, {"t": "cancel", "reason": reason})
+            self.send(rank, {"t": "cancel", "reason": reason})
         self.launcher.cancel()
 
     def _finish(self) -> None:
@@ -601,7 +601,7 @@ class Job:
         """Why the job was cancelled (by the user, a failure, a timeout), or None."""
         return self._cancel_reason
 
-    def send(self, rank: int, event: events.Event) -> bool:
+    def send(self, rank: int, event: DriverEvent) -> bool:
         """Send ``event`` to ``rank`` on the event channel; False if it is not connected."""
         return self._server.send(self.id, rank, event)
 

@@ -442,3 +442,34 @@ class CellEvent(TypedDict):
     t: Literal["cell"]
     id: int
     payload: str
+
+
+class CancelEvent(TypedDict):
+    """Driver → rank: stop (the job was cancelled, failed elsewhere or timed out)."""
+
+    t: Literal["cancel"]
+    reason: str
+
+
+class InterruptEvent(TypedDict):
+    """Driver → session rank: KeyboardInterrupt in cell ``id``."""
+
+    t: Literal["interrupt"]
+    id: int
+
+
+class PingEvent(TypedDict):
+    """Driver → rank: the keepalive (``quit``: a session's end, the same shape)."""
+
+    t: Literal["ping", "quit"]
+
+
+class PaceEvent(TypedDict):
+    """Event server → rank: write at most every ``every`` seconds."""
+
+    t: Literal["pace"]
+    every: float
+
+
+#: Everything the driver sends a rank on the event channel.
+DriverEvent = WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent

@@ -42,7 +42,7 @@ from nbdist.job import (
     unreachable_hint,
 )
 from nbdist.launch import Launcher
-from nbdist.protocol import Payload, RankStatus
+from nbdist.protocol import CellEvent, Payload, RankStatus
 from nbdist.rank import RankOutcome
 from nbdist.waiting import wait_loop
 
@@ -207,7 +207,7 @@ class Session:
         register(cell)
         body = base64.b64encode(_pickling.dumps(
             {**payload, "session": True, "keep": True, "cell": self._cell_ids}))
-        message = {"t": "cell", "id": self._cell_ids, "payload": body.decode()}
+        message: CellEvent = {"t": "cell", "id": self._cell_ids, "payload": body.decode()}
         for rank in range(self.np):
             if not self.job.send(rank, message):
                 self._fail(f"rank {rank} of session {self.id} is not connected")
