@@ -257,8 +257,8 @@ class ElasticJob:
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
-        self._np_arg, self._backend = np, backend
         launcher, self.np = jobs.choose_launcher(np, backend)
+        self._new_launcher = _same_backend(launcher)
         self.id = jobs.new_id()
         self.label = label
         self.max_restarts = max_restarts
@@ -358,7 +358,7 @@ class ElasticJob:
             if self._cancel_reason is not None:
                 self._end(self._cancelled_error())
                 return None
-            launcher, _ = jobs.choose_launcher(self._np_arg, self._backend)
+            launcher = self._new_launcher()
             gpu = self._current.gpu  # as the first attempt chose it
             try:
                 launcher.check(self.np, gpu)
@@ -374,10 +374,9 @@ class ElasticJob:
             if left <= 0:
                 self._state.set_note(f"attempt {number} of {self._state.total} could not start")
                 self._end(DistributedError(
-                    f"job {self.id} could not restart: after {self._state.attempts[-1].cause}"
-                    f", the backend did not have the slots for {self.np} ranks within "
-                    f"{self.capacity_wait:g} s (--capacity-wait): {short}\n"
-                    + self._attempts_text(),
+                    f"job {self.id} could not restart: the backend did not have the slots for "
+                    f"{self.np} ranks within {self.capacity_wait:g} s (--capacity-wait): "
+                    f"{short}\n" + self._attempts_text(),
                     job_id=self.id, reason="failed"))
                 return None
             self._state.set_note(
@@ -498,6 +497,21 @@ class ElasticJob:
     def __repr__(self) -> str:
         return (f"<nbdist job {self.id}: {self.np} ranks on {self.state.backend}, "
                 f"{self.state.state}, attempt {len(self._state.attempts)} of {self._state.total}>")
+
+
+def _same_backend(launcher: Any) -> Callable[[], Any]:
+    """How to make a launcher like ``launcher`` again, from any thread.
+
+    The active SparkSession is the calling thread's: it is taken now, in the thread that
+    started the job, since restarts are launched from a thread of the job's own.
+    """
+    if launcher.name == "spark":
+        from nbdist.launch.spark import SparkLauncher, active_session
+
+        session = active_session()
+        return lambda: SparkLauncher(session)
+    kind = type(launcher)
+    return lambda: kind()
 
 
 def _first_line(error: BaseException) -> str:

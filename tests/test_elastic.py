@@ -64,7 +64,7 @@ def test_restart_on_error_turns_exceptions_into_restarts() -> None:
 
 
 # -- real ranks ----------------------------------------------------------------------------------
-def _trainer() -> Callable[..., Any]:
+def trainer() -> Callable[..., Any]:
     """A deterministic DDP training that checkpoints every ``every`` steps with
     ``nbdist.checkpoint_dir()`` and resumes from it; rank 1 of the first attempt writes its
     pid to ``ready`` at step ``stop_at`` and waits there to be killed."""
@@ -134,7 +134,7 @@ def test_killed_rank_restarts_from_its_checkpoint_to_the_same_parameters(
     last checkpoint, and its final parameters equal those of an uninterrupted run."""
     import torch
 
-    train = _trainer()
+    train = trainer()
     steps, every, stop_at = 24, 5, 13
     started = time.monotonic()
     plain = nbdist.run(train, steps, every, None, str(tmp_path / "unused"), np=2,
