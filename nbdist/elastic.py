@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist import _checkpoint, state
+from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
 from nbdist.errors import CapacityError, DistributedError, LaunchError
 from nbdist.rank import RankOutcome
@@ -181,6 +181,14 @@ class ElasticState(state.JobState):
         super().__init__(job_id, backend, np)
         self.max_restarts = max_restarts
         self.attempts: list[Attempt] = []
+        #: Takes rank 0's reported metrics, whichever attempt sends them (``--mlflow``).
+        self.metrics_sink: Callable[[dict[str, Any]], None] | None = None
+
+    def apply(self, rank: int, event: dict[str, Any]) -> None:
+        super().apply(rank, event)
+        sink = self.metrics_sink
+        if sink is not None and rank == 0 and event.get("t") == "metrics":
+            sink(event.get("values") or {})
 
     @property
     def total(self) -> int:
@@ -270,7 +278,13 @@ class ElasticJob:
         self.checkpoint_dir = checkpoint_dir or _checkpoint.default_dir(
             label or "job", self.run_id, settings.checkpoint_root or None)
         self._payload = payload
-        self._job_args: dict[str, Any] = dict(gpu=gpu, env=env, label=label, mlflow=mlflow)
+        # Taken here, in the caller's thread: MLflow's active run is per thread, and restarts
+        # start from a thread of the job's own. One logger for all attempts (``--mlflow``).
+        env = {**tracking.run_env(), **dict(env or {})}
+        self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
+        if self._mlflow is not None:
+            self._state.metrics_sink = self._mlflow.put
+        self._job_args: dict[str, Any] = dict(gpu=gpu, env=env, label=label)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self._stop = threading.Event()
@@ -339,11 +353,16 @@ class ElasticJob:
                 if launcher is None:
                     return  # _wait_for_capacity ended the job
                 try:
-                    self._current = self._attempt(number, launcher, why)
+                    attempt = self._attempt(number, launcher, why)
                 except (CapacityError, LaunchError, OSError, ValueError) as exc:
                     self._state.end_attempt(f"could not start: {exc}", "not restarted")
                     self._end(self._final_error(exc, None, False))
                     return
+                with self._lock:
+                    self._current = attempt
+                    reason = self._cancel_reason
+                if reason is not None:  # cancelled while it was being started
+                    attempt.cancel(reason)
         except BaseException as exc:  # never leave a cell waiting on a dead thread
             self._end(DistributedError(f"job {self.id}: nbdist's restart logic failed: "
                                        f"{type(exc).__name__}: {exc}", job_id=self.id))
@@ -396,6 +415,8 @@ class ElasticJob:
             final, reason = state.CANCELLED, str(error)
         else:
             final, reason = state.FAILED, str(error)
+        if self._mlflow is not None:
+            self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
         if error is None and len(self._state.attempts) > 1:
             self._state.set_note(f"done on attempt {len(self._state.attempts)} of "
                                 f"{self._state.total}")
@@ -457,8 +478,9 @@ class ElasticJob:
         with self._lock:
             if self._cancel_reason is None:
                 self._cancel_reason = reason
+            current = self._current
         self._stop.set()
-        self._current.cancel(reason)
+        current.cancel(reason)
 
     def wait(self, timeout: float | None = None,
              on_tick: Callable[[], None] | None = None) -> bool:

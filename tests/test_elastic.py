@@ -63,6 +63,36 @@ def test_restart_on_error_turns_exceptions_into_restarts() -> None:
     assert not judge(_end(_raised(0), cancelled=True), restart_on_error=True).restart
 
 
+def test_state_through_attempts_keeps_logs_and_resets_ranks() -> None:
+    """A new attempt resets every rank (state, progress) but keeps and marks their logs; the
+    header, the text view and %dist_status JOB show the attempts."""
+    from nbdist.views.widget import Panel
+
+    job = elastic.ElasticState("j9", "local", 2, max_restarts=2)
+    job.begin(1, "j10", "")
+    for r in range(2):
+        job.apply(r, {"t": "state", "state": "running"})
+        job.apply(r, {"t": "out", "s": "o", "text": f"step 1 on {r}\npart"})
+    job.set_rank(1, state.FAILED, -9)
+    job.finish(state.FAILED, "an attempt's end")  # what the attempt's Job calls
+    assert job.state == state.RUNNING and job.ended is None
+    job.end_attempt("rank 1 was killed by SIGKILL", "restarted (rule 'signal')")
+    job.begin(2, "j11", "attempt 1 ended: rank 1 was killed by SIGKILL")
+    assert [r.state for r in job.ranks] == [state.PENDING] * 2
+    assert [line.text for line in job.ranks[1].log] == [
+        "── nbdist: attempt 1 of 3 ──", "step 1 on 1", "part",
+        "── nbdist: attempt 2 of 3: attempt 1 ended: rank 1 was killed by SIGKILL ──"]
+    assert "attempt 2 of 3 · attempt 1 ended" in status.header_html(job)
+    panel = Panel(job)
+    panel.render()
+    assert "attempt 2 of 3" in panel.header.value
+    table = status.ranks_table(job)
+    assert "1 of 3   j10" in table and "restarted (rule 'signal')" in table
+    assert "2 of 3   j11" in table and "running" in table
+    job.close(state.DONE)
+    assert job.state == state.DONE and job.ended is not None
+
+
 # -- real ranks ----------------------------------------------------------------------------------
 def trainer() -> Callable[..., Any]:
     """A deterministic DDP training that checkpoints every ``every`` steps with
