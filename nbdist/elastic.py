@@ -371,8 +371,9 @@ class ElasticJob:
     def _wait_for_capacity(self, number: int, why: str) -> Any:
         """A launcher that can run the N ranks now, or None once the wait is over (ended)."""
         deadline = time.monotonic() + self.capacity_wait
-        if self._deadline is not None:
-            deadline = min(deadline, self._deadline)
+        bound = f"{self.capacity_wait:g} s (--capacity-wait)"
+        if self._deadline is not None and self._deadline < deadline:
+            deadline, bound = self._deadline, f"the job's --timeout of {self.timeout:g} s"
         while True:
             if self._cancel_reason is not None:
                 self._end(self._cancelled_error())
@@ -394,8 +395,7 @@ class ElasticJob:
                 self._state.set_note(f"attempt {number} of {self._state.total} could not start")
                 self._end(DistributedError(
                     f"job {self.id} could not restart: the backend did not have the slots for "
-                    f"{self.np} ranks within {self.capacity_wait:g} s (--capacity-wait): "
-                    f"{short}\n" + self._attempts_text(),
+                    f"{self.np} ranks within {bound}: {short}\n" + self._attempts_text(),
                     job_id=self.id, reason="failed"))
                 return None
             self._state.set_note(

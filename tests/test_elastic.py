@@ -327,6 +327,18 @@ def test_cancel_stops_the_restarts(tmp_path: Path) -> None:
     assert len(job.attempts) == 1 and job.state.state == state.CANCELLED
 
 
+@pytest.mark.slow
+def test_timeout_bounds_the_whole_job_and_is_not_restarted(tmp_path: Path) -> None:
+    """--timeout ends a job that restarts like any other: rule 'timeout', no new attempt."""
+    job = nbdist.run(_held(str(tmp_path / "ready")), np=2, backend="local", max_restarts=2,
+                     timeout=4)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=120)
+    assert info.value.reason == "timeout"
+    assert "was not restarted: rule 'timeout'" in str(info.value)
+    assert len(job.attempts) == 1
+
+
 def test_environment_and_checkpoint_dir(tmp_path: Path) -> None:
     """Every rank sees the restart count, the maximum, one run id and the checkpoint dir."""
 
