@@ -299,9 +299,8 @@ class ElasticJob:
                          name=f"nbdist-restarts-{self.id}").start()
 
     # -- attempts ---------------------------------------------------------------------------
-    def _env(self, number: int) -> dict[str, str]:
+    def _world_env(self, number: int) -> dict[str, str]:
         return {
-            **dict(self._job_args["env"] or {}),
             "TORCHELASTIC_RESTART_COUNT": str(number - 1),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,
@@ -309,7 +308,7 @@ class ElasticJob:
         }
 
     def _attempt(self, number: int, launcher: Any, why: str) -> jobs.Job:
-        args = {**self._job_args, "env": self._env(number)}
+        args = {**self._job_args, "world_env": self._world_env(number)}
         timeout = None
         if self._deadline is not None:
             timeout = max(0.1, self._deadline - time.monotonic())

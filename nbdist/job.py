@@ -259,6 +259,7 @@ class Job:
         session: bool = False,
         mlflow: bool = False,
         job_state: state.JobState | None = None,
+        world_env: dict[str, str] | None = None,
     ) -> None:
         self.id = new_id("s" if session else "j")
         self.label = label
@@ -276,6 +277,10 @@ class Job:
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
         self._env = {**tracking.run_env(), **dict(env or {})}
+        # Variables given at the rendezvous only (an attempt of a job that restarts: its
+        # restart count): they must not key the local backend's warm ranks. Remote ranks may
+        # plan their world without the driver (rank.py), so they also get them at launch.
+        self._world_env = dict(world_env or {})
         #: Logs rank 0's reported metrics into that run (``--mlflow``), else None.
         self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
         self._hellos: dict[int, Hello] = {}
@@ -312,7 +317,9 @@ class Job:
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
             # What the cell sets in os.environ first thing (KERAS_BACKEND, ...) is given to the
             # ranks from the start, so that modules imported ahead see it too.
-            payload=body, gpu=self.gpu, env={**self._env, **payload_env(payload)},
+            payload=body, gpu=self.gpu, env={
+                **self._env, **payload_env(payload),
+                **(self._world_env if launcher.remote else {})},
             run_id=self.run_id,
             modules=payload_modules(payload), session=session,
             heartbeat_timeout=self._heartbeat,
@@ -351,7 +358,8 @@ class Job:
             return
         try:
             envs = plan_world(
-                hellos, self.np, self.run_id, self.id, use_gpus=self.gpu, user_env=self._env
+                hellos, self.np, self.run_id, self.id, use_gpus=self.gpu,
+                user_env={**self._env, **self._world_env},
             )
         except ValueError as exc:
             self._fail_all(f"the rendezvous failed: {exc}")
