@@ -14,18 +14,22 @@ import nbdist
 from nbdist import state
 
 from ..helpers import wait_for
+from ..sparks import MARK
 from ..test_elastic import trainer
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.usefixtures("no_leftover_spark_ranks")]
 
 
-def _executor(host: str) -> psutil.Process:
-    """The executor JVM of this test run on ``host`` (a worker's address)."""
+def _executor(host: str, mark: str) -> psutil.Process:
+    """The executor JVM of this test run on ``host`` (a worker's address); other test runs on
+    the machine may have their own, on the same loopback addresses."""
     found = []
     for proc in psutil.process_iter():
         try:
             cmd = proc.cmdline()
+            if proc.environ().get(MARK) != mark:
+                continue
         except psutil.Error:
             continue
         if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in cmd and \
@@ -36,7 +40,7 @@ def _executor(host: str) -> psutil.Process:
 
 
 def test_killed_executor_restarts_the_job_to_the_same_parameters(
-    spark_cluster: SparkSession, tmp_path: Path,
+    spark_cluster: SparkSession, spark_mark: str, tmp_path: Path,
 ) -> None:
     """Rank 1's executor JVM SIGKILLed mid-training: the job restarts on the executors there
     are (Spark starts a new one on that worker), resumes from its checkpoint and ends with the
@@ -55,7 +59,7 @@ def test_killed_executor_restarts_the_job_to_the_same_parameters(
     wait_for(ready.exists, 300, "rank 1 to reach the step where its executor is killed")
     host = job.state.ranks[1].host
     assert host is not None
-    _executor(host).kill()
+    _executor(host, spark_mark).kill()
     killed = time.monotonic()
     notes: set[str] = set()
     job.wait(timeout=400, on_tick=lambda: notes.add(job.state.note))
