@@ -89,6 +89,7 @@ def test_state_through_attempts_keeps_logs_and_resets_ranks() -> None:
     table = status.ranks_table(job)
     assert "1 of 3   j10" in table and "restarted (rule 'signal')" in table
     assert "2 of 3   j11" in table and "running" in table
+    assert "running, attempt 2 of 3" in status.jobs_table([job])
     job.close(state.DONE)
     assert job.state == state.DONE and job.ended is not None
 

@@ -202,7 +202,9 @@ def _result_ready(job: JobState) -> str:
 
 def _job_state(j: JobState) -> str:
     silent = j.silent_ranks()
-    return f"{j.state} ({len(silent)} {SILENT})" if silent else j.state
+    text = f"{j.state} ({len(silent)} {SILENT})" if silent else j.state
+    attempts = _attempt_rows(j)
+    return f"{text}, attempt {attempts[-1][0]}" if len(attempts) > 1 else text
 
 
 def _job_row(j: JobState) -> JobRow:
