@@ -16,12 +16,14 @@ the magics load on first use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
+from nbdist._checkpoint import checkpoint_dir
 from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
 from nbdist.reporting import progress, report
 
 if TYPE_CHECKING:
+    from nbdist.elastic import ElasticJob
     from nbdist.job import Job
 
 __version__ = "0.1.0"
@@ -32,6 +34,7 @@ __all__ = [
     "DistributedError",
     "LaunchError",
     "NbdistError",
+    "checkpoint_dir",
     "load_ipython_extension",
     "progress",
     "report",
@@ -40,11 +43,34 @@ __all__ = [
 ]
 
 
-def run(fn: Any, *args: Any, **kwargs: Any) -> Job:
-    """Run ``fn`` on N ranks; see :func:`nbdist.job.run` for the parameters."""
+@overload
+def run(fn: Any, *args: Any, max_restarts: int, **kwargs: Any) -> ElasticJob: ...
+
+
+@overload
+def run(fn: Any, *args: Any, checkpoint_dir: str, **kwargs: Any) -> ElasticJob: ...
+
+
+@overload
+def run(fn: Any, *args: Any, **kwargs: Any) -> Job: ...
+
+
+def run(fn: Any, *args: Any, **kwargs: Any) -> Job | ElasticJob:
+    """Run ``fn`` on N ranks; see :func:`nbdist.job.run` for the parameters.
+
+    ``max_restarts=K`` launches every rank again after a fault, up to K times (with
+    ``restart_on_error``, ``capacity_wait`` and ``checkpoint_dir``: :func:`nbdist.elastic.run`).
+    """
+    if _ELASTIC & kwargs.keys():
+        from nbdist.elastic import run as _elastic_run
+
+        return _elastic_run(fn, *args, **kwargs)
     from nbdist.job import run as _run
 
     return _run(fn, *args, **kwargs)
+
+
+_ELASTIC = frozenset({"max_restarts", "restart_on_error", "capacity_wait", "checkpoint_dir"})
 
 
 def load_ipython_extension(ipython: Any) -> None:

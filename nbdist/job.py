@@ -43,6 +43,11 @@ PING_S = state.HEARTBEAT_S
 
 _ids = itertools.count(1)
 
+
+def new_id(prefix: str = "j") -> str:
+    """A job id not used before in this kernel (``j1``, ``j2``, ...)."""
+    return f"{prefix}{next(_ids)}"
+
 class Handle(Protocol):
     """What the magics and views use of a job: a :class:`Job`, or a session's cell."""
 
@@ -221,22 +226,32 @@ class Job:
         label: str = "",
         owner: Owner | None = None,
         mlflow: bool = False,
+        job_state: state.JobState | None = None,
+        world_env: dict[str, str] | None = None,
     ) -> None:
         #: A session's ranks: started without a payload, owned by the session (``Owner``).
         session = owner is not None
         self._owner = owner
-        self.id = f"{'s' if session else 'j'}{next(_ids)}"
+        self.id = new_id("s" if session else "j")
         self.label = label
         self.np = np
         self.launcher = launcher
         self.gpu = default_gpu(launcher) if gpu is None else gpu
         self.timeout = timeout
-        self.state = state.JobState(self.id, launcher.name, np)
+        # Given: this job is one attempt of a job that restarts (``nbdist.elastic``), which
+        # owns the state the views render and is the one listed by %dist_status.
+        self._attempt = job_state is not None
+        self.state = job_state if job_state is not None else state.JobState(
+            self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
         self._secret = events.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
         self._env = {**tracking.run_env(), **dict(env or {})}
+        # Variables given at the rendezvous only (an attempt of a job that restarts: its
+        # restart count): they must not key the local backend's warm ranks. Remote ranks may
+        # plan their world without the driver (rank.py), so they also get them at launch.
+        self._world_env = dict(world_env or {})
         #: Logs rank 0's reported metrics into that run (``--mlflow``), else None.
         self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
         self._hellos: dict[int, Hello] = {}
@@ -268,14 +283,16 @@ class Job:
         self.address = launcher.driver_address()
         self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
-        if not session:  # a session's cells are the jobs users see
+        if not session and not self._attempt:  # a session's cells are the jobs users see
             register(self)
         request = LaunchRequest(
             job_id=self.id, np=np, secret=self._secret, driver=self._server.address,
             # What the cell sets in os.environ first thing (KERAS_BACKEND, ...) is given to the
             # ranks from the start, so that modules imported ahead see it too.
-            payload=body, gpu=self.gpu,
-            env={**self._env, **(payload_env(payload) if payload else {})}, run_id=self.run_id,
+            payload=body, gpu=self.gpu, env={
+                **self._env, **(payload_env(payload) if payload else {}),
+                **(self._world_env if launcher.remote else {})},
+            run_id=self.run_id,
             modules=payload_modules(payload) if payload else (), session=session,
             heartbeat_timeout=self._heartbeat,
         )
@@ -313,7 +330,8 @@ class Job:
             return
         try:
             envs = plan_world(
-                hellos, self.np, self.run_id, self.id, use_gpus=self.gpu, user_env=self._env
+                hellos, self.np, self.run_id, self.id, use_gpus=self.gpu,
+                user_env={**self._env, **self._world_env},
             )
         except ValueError as exc:
             self._fail_all(f"the rendezvous failed: {exc}")
@@ -655,6 +673,18 @@ class Job:
         self._dropped = True
         self._results, self._size = [], 0
         self.state.values_dropped = True
+
+    @property
+    def outcomes(self) -> dict[int, RankOutcome]:
+        """How each rank ended so far (every rank once the job is done), without values."""
+        with self._lock:
+            return dict(self._outcomes)
+
+    @property
+    def lost_hosts(self) -> dict[int, str]:
+        """Ranks the driver stopped hearing from while they were connected, with their host."""
+        with self._lock:
+            return dict(self._unheard)
 
     @property
     def lost_output(self) -> str | None:

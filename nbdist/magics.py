@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, events, launch, waiting
+from nbdist import _logcarry, elastic, events, launch, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -47,6 +47,19 @@ class Options:
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
     mlflow: bool = False
+    max_restarts: int = 0
+    restart_on_error: bool = False
+    capacity_wait: float | None = None
+    checkpoint_dir: str | None = None
+
+
+#: Why a persistent session cannot restart (``--max-restarts`` with a session's cells).
+SESSION_RESTARTS = (
+    "--max-restarts relaunches every rank after a fault, and a session's ranks keep what earlier "
+    "cells defined (a model, a data set, the process group), which a restart would lose. Give "
+    "the cell -np N to run it as a job of its own that restarts (%%distributed -np N "
+    "--max-restarts K), or run it on the session without --max-restarts"
+)
 
 
 def parse_status(line: str) -> tuple[str | None, bool, str | None]:
@@ -148,6 +161,7 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if mlflow and np is None:
         raise UsageError("--mlflow applies to a job of its own: give -np N (a session's cells "
                          "log with mlflow.log_metric on the ranks)")
+    restarts = _parse_restarts(args, np)
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
@@ -156,8 +170,51 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
         env=env, quiet=args.quiet, bg=getattr(args, "bg", False), show_source=args.show_source,
         export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
-        mlflow=mlflow,
+        mlflow=mlflow, **restarts,
     )
+
+
+def _parse_restarts(args: argparse.Namespace, np: int | None) -> dict[str, Any]:
+    """``--max-restarts``, ``--restart-on-error``, ``--capacity-wait``, ``--checkpoint-dir``."""
+    max_restarts = getattr(args, "max_restarts", None)
+    if max_restarts is not None and np is None:
+        raise UsageError(SESSION_RESTARTS)
+    if max_restarts is not None and max_restarts < 0:
+        raise UsageError(f"--max-restarts takes how many times to restart (0 or more), not "
+                         f"{max_restarts}")
+    on_error = bool(getattr(args, "restart_on_error", False))
+    wait = getattr(args, "capacity_wait", None)
+    if (on_error or wait is not None) and not max_restarts:
+        option = "--restart-on-error" if on_error else "--capacity-wait"
+        raise UsageError(f"{option} applies to a job that restarts: add --max-restarts K "
+                         f"(how many restarts to allow)")
+    if wait is not None and wait < 0:
+        raise UsageError(f"--capacity-wait takes 0 or more seconds, not {wait:g}")
+    folder = getattr(args, "checkpoint_dir", None)
+    if folder is not None and np is None:
+        raise UsageError("--checkpoint-dir applies to a job of its own: give -np N")
+    return {"max_restarts": max_restarts or 0, "restart_on_error": on_error,
+            "capacity_wait": wait, "checkpoint_dir": folder}
+
+
+def _restart_arguments(func: Any) -> Any:
+    """The options of a job that restarts after a fault (``nbdist.elastic``)."""
+    for decorate in reversed((
+        argument("--max-restarts", type=int, metavar="K",
+                 help="after a lost host or a rank killed by a signal, launch every rank "
+                 "again, up to K times (TORCHELASTIC_RESTART_COUNT counts them)"),
+        argument("--restart-on-error", action="store_true",
+                 help="restart after a Python exception of the cell too (by default taken "
+                 "for a bug and not restarted)"),
+        argument("--capacity-wait", type=float, metavar="SECONDS",
+                 help="how long a restart waits for the slots of N ranks (default: "
+                 "DistMagics.capacity_wait)"),
+        argument("--checkpoint-dir", metavar="PATH",
+                 help="what nbdist.checkpoint_dir() returns on the ranks: a path every rank "
+                 "can reach"),
+    )):
+        func = decorate(func)
+    return func
 
 
 @magics_class
@@ -195,6 +252,24 @@ class DistMagics(Magics):
         "network cut off. At least 10; 0 turns it off. Wins over NBDIST_HEARTBEAT_TIMEOUT. "
         f"Default: {launch.HEARTBEAT_TIMEOUT_S:g}.",
     )
+
+    capacity_wait = Float(
+        elastic.CAPACITY_WAIT_S, config=True,
+        help="Seconds a job that restarts (--max-restarts) waits for the backend to have the "
+        "slots for its ranks again before it fails. --capacity-wait wins. "
+        f"Default: {elastic.CAPACITY_WAIT_S:g}.",
+    )
+    checkpoint_root = Unicode(
+        "", config=True,
+        help="Where a job that restarts keeps its checkpoint directory "
+        "(nbdist.checkpoint_dir()) when --checkpoint-dir is not given: a path every rank can "
+        "reach (shared storage on a cluster). Default: nbdist-checkpoints under the working "
+        "directory.",
+    )
+
+    @observe("capacity_wait", "checkpoint_root")
+    def _restart_setting(self, change: Any) -> None:
+        setattr(elastic.settings, change["name"], change["new"])
 
     @validate("heartbeat_timeout")
     def _valid_timeout(self, proposal: Any) -> float | None:
@@ -236,6 +311,7 @@ class DistMagics(Magics):
     @argument("--mlflow", action="store_true",
               help="log rank 0's reported metrics (nbdist.report) into the notebook's active "
               "MLflow run, with steps")
+    @_restart_arguments
     @argument("script", nargs="?", help="line form: a Python script to run on every rank")
     @argument("args", nargs=argparse.REMAINDER, help="line form: the script's arguments")
     @no_var_expand
@@ -308,8 +384,11 @@ class DistMagics(Magics):
         else:
             assert opts.np is not None
             try:
-                job = jobs.start(payload, opts.np, backend=opts.backend, gpu=opts.gpu,
-                                 timeout=opts.timeout, env=opts.env, mlflow=opts.mlflow)
+                job = elastic.start(
+                    payload, opts.np, backend=opts.backend, gpu=opts.gpu, timeout=opts.timeout,
+                    env=opts.env, mlflow=opts.mlflow, max_restarts=opts.max_restarts,
+                    restart_on_error=opts.restart_on_error, capacity_wait=opts.capacity_wait,
+                    checkpoint_dir=opts.checkpoint_dir)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         view = None
@@ -397,6 +476,7 @@ class DistMagics(Magics):
     @argument("--idle-timeout", type=float, metavar="SECONDS",
               help="stop the session (releasing its ranks and cluster slots) after this long "
               "without a cell; a warning comes first")
+    @argument("--max-restarts", type=int, help=argparse.SUPPRESS)
     @line_magic
     def dist_session(self, line: str) -> Any:
         """Start, stop or show the kernel's persistent session of ranks.
@@ -419,6 +499,12 @@ class DistMagics(Magics):
             live.stop()
             print(f"session {live.id} stopped: its {live.np} ranks are gone")
             return None
+        if args.max_restarts is not None:
+            raise UsageError(
+                "a session cannot restart: --max-restarts relaunches every rank after a fault, "
+                "and a session's ranks keep what earlier cells defined, which a restart would "
+                "lose. Run the training as a job of its own that restarts: %%distributed -np N "
+                "--max-restarts K")
         np = _parse_np(args.np)
         if np is None:
             raise UsageError("%dist_session start needs -np N: the number of ranks")

@@ -99,6 +99,9 @@ class JobState:
         self.created = time.time()
         self.ended: float | None = None
         self.reason = ""  # why it failed / was cancelled, in words
+        #: One line the views show under the header while it changes (a job that restarts:
+        #: "attempt 2 of 4 ...", "waiting for 4 slots, 2 free"); "" for none.
+        self.note = ""
         self.ranks = [RankState(r) for r in range(np)]
         self.merged: collections.deque[Line] = collections.deque(maxlen=MERGED_LINES)
         self.seq = 0

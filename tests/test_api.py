@@ -14,6 +14,7 @@ def test_exported_members() -> None:
     """nbdist.__all__ is exactly the documented public API."""
     assert sorted(nbdist.__all__) == sorted([
         "CapacityError", "CaptureError", "DistributedError", "LaunchError", "NbdistError",
+        "checkpoint_dir",
         "load_ipython_extension", "progress", "report", "run", "unload_ipython_extension",
     ])
     for name in nbdist.__all__:

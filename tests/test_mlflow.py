@@ -111,3 +111,30 @@ def test_magic_mlflow_option_logs_rank_0s_reports(ip: Any, notebook_run: Any) ->
                       "import nbdist\nnbdist.report(acc=0.5, step=2)\n")
     history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "acc")
     assert [(m.value, m.step) for m in history] == [(0.5, 2)]
+
+
+def _report_then_die_once() -> None:
+    import os
+
+    import nbdist
+
+    count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    nbdist.report(loss=1.0 + count, step=count)
+    if count == 0 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), 9)
+    if count == 0:
+        import time
+
+        time.sleep(60)  # until nbdist stops it after rank 1's death
+
+
+def test_mlflow_option_logs_every_attempt_of_a_job_that_restarts(notebook_run: Any) -> None:
+    """With max_restarts, rank 0's reports of every attempt land in the notebook's run (the
+    restart starts from a thread of nbdist's own, where MLflow's active run is not set), and
+    the restarted ranks keep the run's MLFLOW_* variables."""
+    job = nbdist.run(_report_then_die_once, np=2, backend="local", mlflow=True,
+                     max_restarts=1)
+    job.result(timeout=150)
+    assert len(job.attempts) == 2
+    history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 1.0), (1, 2.0)]

@@ -121,6 +121,8 @@ def header_html(job: JobState) -> str:
     if failed:
         parts.append(f"<b style='color:#c62828'>failed ranks: {_ranks(failed)}</b>")
     text = " · ".join(parts)
+    if job.note:  # a job that restarts: its attempt, and why the one before ended
+        text += f"<br><b class='nbdist-note'>{html.escape(job.note)}</b>"
     if job.status in FINAL and job.reason:
         text += f"<br><span style='color:#555'>{html.escape(job.reason.splitlines()[0])}</span>"
     return text
@@ -201,7 +203,9 @@ def _result_ready(job: JobState) -> str:
 
 def _job_state(j: JobState) -> str:
     silent = j.silent_ranks()
-    return f"{j.status} ({len(silent)} {SILENT})" if silent else j.status
+    text = f"{j.status} ({len(silent)} {SILENT})" if silent else j.status
+    attempts = _attempt_rows(j)
+    return f"{text}, attempt {attempts[-1][0]}" if len(attempts) > 1 else text
 
 
 def _job_row(j: JobState) -> JobRow:
@@ -295,7 +299,27 @@ def _ranks_block(job: JobState, head: str) -> str:
 
 
 def ranks_table(job: JobState) -> str:
-    return _ranks_block(job, _job_head(job))
+    attempts = attempts_table(job)
+    return _ranks_block(job, _job_head(job)) + (f"\n{attempts}" if attempts else "")
+
+
+def _attempt_rows(job: JobState) -> list[tuple[str, ...]]:
+    from nbdist.elastic import ElasticState  # a job that restarts (--max-restarts)
+
+    if not isinstance(job, ElasticState):
+        return []
+    with job.lock:
+        return [(f"{a.number} of {job.total}", a.job_id, f"{a.duration:.1f} s",
+                 a.cause or "running", a.verdict or "-") for a in job.attempts]
+
+
+_ATTEMPT_COLUMNS = ("attempt", "ran as", "duration", "how it ended", "then")
+
+
+def attempts_table(job: JobState) -> str:
+    """The attempts of a job that restarts, with how each ended ("" for any other job)."""
+    rows = _attempt_rows(job)
+    return f"attempts:\n{text_table(_ATTEMPT_COLUMNS, rows)}" if rows else ""
 
 
 def _log_tail(job: JobState) -> tuple[list[str], int]:
@@ -421,5 +445,8 @@ class RanksReport(Report):
         more_html = f"<div>… and {more} more ranks</div>" if more else ""
         note = silent_note(job)
         note_html = f"<div style='color:{SILENT_COLOR}'>{html.escape(note)}</div>" if note else ""
+        attempts = _attempt_rows(job)
+        attempts_html = html_table(_ATTEMPT_COLUMNS, _ATTEMPT_COLUMNS, attempts) \
+            if attempts else ""
         return (f"<div class='nbdist-status'>{header_html(job)}{table}{more_html}"
-                f"{note_html}</div>")
+                f"{note_html}{attempts_html}</div>")

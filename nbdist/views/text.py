@@ -44,6 +44,8 @@ class TextView(BackgroundRenderer):
         self._seq = 0
         self._status: dict[int, tuple[str, float]] = {}
         self._silent: set[int] = set()
+        self._note = ""
+        self._note_at = 0.0
         self._width = len(str(max(job.np - 1, 0)))
         self._lock = threading.Lock()
         self._closed = False
@@ -68,6 +70,12 @@ class TextView(BackgroundRenderer):
             self._seq = line.seq
         now = time.monotonic()
         wrote = bool(lines or skipped)
+        note = self.job.note
+        if note and note != self._note and (final or now - self._note_at >= STATUS_EVERY_S
+                                            or not _countdown(note, self._note)):
+            out.write(f"[nbdist] {note}\n")
+            self._note, self._note_at = note, now
+            wrote = True
         with self.job.lock:
             states = [(r.rank, _status_of(r)) for r in self.job.ranks]
         for rank, text in states:
@@ -108,6 +116,11 @@ class TextView(BackgroundRenderer):
             self._out().write(summary(self.job) + "\n")
             self._out().flush()
 
+
+
+def _countdown(note: str, shown: str) -> bool:
+    """Whether ``note`` only updates the capacity wait ``shown`` (printed at a slower pace)."""
+    return "waiting for" in note and "waiting for" in shown
 
 
 def _status_of(r: RankState) -> str:

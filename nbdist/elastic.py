@@ -1,0 +1,641 @@
+"""Restarts: a job that launches its whole rank group again after a lost rank or host.
+
+``%%distributed -np N --max-restarts K`` (``nbdist.run(..., max_restarts=K)``) runs an
+:class:`ElasticJob`: attempts of an ordinary :class:`~nbdist.job.Job`, one after another, up
+to ``K + 1`` of them. When an attempt fails, a small table of rules (:data:`RULES`, the first
+that matches decides) says whether it is worth another: a lost host, a signal or a process
+that exited without its result is a fault and is restarted; a Python exception raised by the
+cell is a bug and is not, unless ``restart_on_error``. Every verdict names its rule.
+
+Each attempt starts all N ranks afresh (a new barrier stage on Spark, on whatever executors
+are there; fresh local processes), with torchrun's ``TORCHELASTIC_RESTART_COUNT`` (0 for the
+first attempt) and ``TORCHELASTIC_MAX_RESTARTS``, one ``TORCHELASTIC_RUN_ID`` for all
+attempts, and ``NBDIST_CHECKPOINT_DIR`` (``nbdist.checkpoint_dir()``), so code written for
+torchrun's restarts resumes from its last checkpoint unchanged. After a loss the backend may
+lack the slots for N ranks: the job waits for them up to ``capacity_wait`` seconds, saying so
+in the panel, then fails with the numbers.
+
+The attempts share one :class:`ElasticState` (the views render it as one job): its ranks are
+reset for each attempt, their logs are kept and every attempt's lines are preceded by a
+marked line. ``%dist_status JOB`` lists the attempts, their causes and durations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nbdist import _checkpoint, state, tracking
+from nbdist import job as jobs
+from nbdist.errors import CapacityError, DistributedError, LaunchError
+from nbdist.protocol import CallPayload, Payload
+from nbdist.rank import RankOutcome
+from nbdist.waiting import wait_loop
+
+#: How long a restart waits for the backend to have the slots again, by default (seconds).
+CAPACITY_WAIT_S = 300.0
+#: How often the capacity is asked for while waiting.
+CAPACITY_POLL_S = 2.0
+
+
+@dataclass
+class Settings:
+    """The kernel's defaults for restarts (``%config DistMagics.<name>``), read at each start."""
+
+    #: Seconds a restart waits for the backend's slots (``--capacity-wait`` wins).
+    capacity_wait: float = CAPACITY_WAIT_S
+    #: Where jobs keep their checkpoint directories ("": under the working directory).
+    checkpoint_root: str = ""
+
+
+settings = Settings()
+
+
+# -- the judge ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How an attempt ended, as the rules see it: the job's error and every rank's outcome."""
+
+    error: DistributedError | BaseException | None
+    outcomes: Mapping[int, RankOutcome]
+    lost_hosts: Mapping[int, str]  # ranks not heard from while connected, with their host
+    cancelled: bool = False  # the user (or the job's caller) cancelled it
+
+    @property
+    def reason(self) -> str:
+        return str(getattr(self.error, "reason", "failed"))
+
+    def failed(self) -> list[RankOutcome]:
+        return [o for _, o in sorted(self.outcomes.items()) if o.status == "failed"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the judge's table: what it matches, whether it restarts, and why."""
+
+    name: str
+    restart: bool | None  # None: only with restart_on_error
+    why: str
+    matches: Callable[[AttemptEnd], bool]
+
+
+#: Exception types a backend reports for a rank whose process or host it lost (not the cell).
+_LOST_TYPES = frozenset({"ExecutorLost", "SparkTaskFailed"})
+
+
+def _exceptions(end: AttemptEnd) -> list[RankOutcome]:
+    return [o for o in end.failed() if o.error is not None and o.error.get("type")
+            not in _LOST_TYPES]
+
+
+def _same_exception(end: AttemptEnd) -> bool:
+    raised = _exceptions(end)
+    kinds = {o.error.get("type") for o in raised if o.error is not None}
+    messages = {o.error.get("message") for o in raised if o.error is not None}
+    return bool(raised) and len(kinds) == 1 and len(messages) == 1 and \
+        len(raised) == len(end.failed())
+
+
+def _signalled(o: RankOutcome) -> bool:
+    return o.error is None and o.exit_code is not None and o.exit_code < 0
+
+
+#: The judge's table, in order: the first rule that matches decides.
+RULES: tuple[Rule, ...] = (
+    Rule("cancelled", False, "the job was cancelled (the stop button, %dist_cancel, "
+         ".cancel()): a cancel stops every attempt",
+         lambda e: e.cancelled or e.reason == "cancelled"),
+    Rule("timeout", False, "--timeout bounds the whole job, every attempt included",
+         lambda e: e.reason == "timeout"),
+    Rule("lost host", True, "a host (a Spark executor) went away, or stopped answering, with "
+         "its ranks: a fault of the cluster, not of the cell",
+         lambda e: bool(e.lost_hosts) or any(
+             o.lost_host is not None
+             or (o.error is not None and o.error.get("type") in _LOST_TYPES)
+             for o in e.failed())),
+    Rule("signal", True, "a rank was killed by a signal (SIGKILL from the out-of-memory "
+         "killer or a reclaimed machine, a segfault): a fault, not an exception of the cell",
+         lambda e: any(_signalled(o) for o in e.failed())),
+    Rule("exit", True, "a rank's process ended without its result and without a Python "
+         "exception (os._exit, a crash in a library): taken for a fault",
+         lambda e: any(o.error is None for o in e.failed())),
+    Rule("same exception", None, "the cell raised the same Python exception on every rank "
+         "that failed: a bug in the code, which another attempt would hit again "
+         "(--restart-on-error restarts on it too)", _same_exception),
+    Rule("exception", None, "the cell raised a Python exception: taken for a bug, not a "
+         "fault (--restart-on-error restarts on it too)",
+         lambda e: bool(_exceptions(e))),
+    Rule("other", False, "the job failed without a rank failing (its results could not be "
+         "read back): another attempt would end the same way", lambda e: True),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the judge decided for an attempt, and the rule that decided it."""
+
+    restart: bool
+    rule: Rule
+
+    def text(self) -> str:
+        return f"{'restarted' if self.restart else 'not restarted'} (rule '{self.rule.name}')"
+
+
+def judge(end: AttemptEnd, *, restart_on_error: bool = False) -> Verdict:
+    """The first rule of :data:`RULES` that matches ``end``, and whether it restarts."""
+    for rule in RULES:
+        if rule.matches(end):
+            restart = restart_on_error if rule.restart is None else rule.restart
+            return Verdict(restart, rule)
+    raise AssertionError("the last rule matches everything")  # pragma: no cover
+
+
+# -- the state the views render ------------------------------------------------------------------
+@dataclass
+class Attempt:
+    """One attempt of a job that restarts, as ``%dist_status JOB`` lists it."""
+
+    number: int  # 1, 2, ...
+    job_id: str  # the id of the attempt's own job (on the event channel, in Spark's UI)
+    started: float  # wall time
+    ended: float | None = None
+    cause: str = ""  # why it ended, in words ("" while it runs; "done" when it succeeded)
+    verdict: str = ""  # "restarted (rule 'signal')", ...
+
+    @property
+    def duration(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+
+class ElasticState(state.JobState):
+    """A :class:`~nbdist.state.JobState` that lives through several attempts.
+
+    The attempts' jobs feed it as any job feeds its state; their ``finish`` only closes the
+    attempt's unfinished lines, and the job's own end is :meth:`close`.
+    """
+
+    def __init__(self, job_id: str, backend: str, np: int, max_restarts: int) -> None:
+        super().__init__(job_id, backend, np)
+        self.max_restarts = max_restarts
+        self.attempts: list[Attempt] = []
+        #: Takes rank 0's reported metrics, whichever attempt sends them (``--mlflow``).
+        self.metrics_sink: Callable[[dict[str, Any]], None] | None = None
+
+    def apply(self, rank: int, event: Mapping[str, Any]) -> None:
+        super().apply(rank, event)
+        sink = self.metrics_sink
+        if sink is not None and rank == 0 and event.get("t") == "metrics":
+            sink(event.get("values") or {})
+
+    @property
+    def total(self) -> int:
+        return self.max_restarts + 1
+
+    def begin(self, number: int, job_id: str, why: str) -> None:
+        """A new attempt: ranks start over (their logs go on), each marked in the log."""
+        marker = f"── nbdist: attempt {number} of {self.total}{f': {why}' if why else ''} ──"
+        with self.lock:
+            self._close_lines()
+            for i, old in enumerate(self.ranks):
+                rank = state.RankState(i, log=old.log, lines=old.lines)
+                self.ranks[i] = rank
+                if self.max_restarts:  # a job that cannot restart has nothing to mark
+                    self._output(rank, "o", [[marker, "\n"]])
+            self.attempts.append(Attempt(number, job_id, time.time()))
+            if self.max_restarts:
+                self.note = f"attempt {number} of {self.total}" + (f" · {why}" if why else "")
+            self.version += 1
+
+    def end_attempt(self, cause: str, verdict: str) -> None:
+        with self.lock:
+            if self.attempts:
+                last = self.attempts[-1]
+                last.ended, last.cause, last.verdict = time.time(), cause, verdict
+            self.version += 1
+
+    def set_note(self, note: str) -> None:
+        with self.lock:
+            if note != self.note:
+                self.note = note
+                self.version += 1
+
+    def finish(self, status: str, reason: str = "") -> None:
+        """An attempt's end: the job goes on or ends by :meth:`close`."""
+        with self.lock:
+            self._close_lines()
+            self.version += 1
+
+    def close(self, final: str, reason: str = "") -> None:
+        """The job's end, after its last attempt."""
+        super().finish(final, reason)
+
+    def _close_lines(self) -> None:
+        for (rank, stream), text in list(self._partial.items()):
+            if text:
+                self._output(self.ranks[rank], stream, [["", "\n"]])
+
+
+# -- the job --------------------------------------------------------------------------------------
+class ElasticJob:
+    """A job whose rank group is launched again after a fault, up to ``max_restarts`` times.
+
+    Used like a :class:`~nbdist.job.Job` (``result()``, ``results``, ``cancel()``, ``wait()``,
+    ``state``); ``attempts`` lists the attempts so far. The first attempt starts in the
+    constructor, so a job that cannot start at all (too many ranks) fails at once.
+    """
+
+    def __init__(
+        self,
+        payload: Payload,
+        np: int,
+        *,
+        max_restarts: int,
+        restart_on_error: bool = False,
+        capacity_wait: float | None = None,
+        checkpoint_dir: str | None = None,
+        backend: str = "auto",
+        gpu: bool | None = None,
+        timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        label: str = "",
+        mlflow: bool = False,
+    ) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
+        launcher, self.np = jobs.choose_launcher(np, backend)
+        self._new_launcher = _same_backend(launcher)
+        self.id = jobs.new_id()
+        self.label = label
+        self.max_restarts = max_restarts
+        self.restart_on_error = restart_on_error
+        self.capacity_wait = settings.capacity_wait if capacity_wait is None else capacity_wait
+        self._state = ElasticState(self.id, launcher.name, self.np, max_restarts)
+        self.state: state.JobState = self._state  # what views and %dist_status read
+        self.run_id = secrets.token_hex(8)
+        self.checkpoint_dir = checkpoint_dir or _checkpoint.default_dir(
+            label or "job", self.run_id, settings.checkpoint_root or None)
+        self._payload = payload
+        # Taken here, in the caller's thread: MLflow's active run is per thread, and restarts
+        # start from a thread of the job's own. One logger for all attempts (``--mlflow``).
+        env = {**tracking.run_env(), **dict(env or {})}
+        self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
+        if self._mlflow is not None:
+            self._state.metrics_sink = self._mlflow.put
+        self._job_args: dict[str, Any] = dict(gpu=gpu, env=env, label=label)
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout = timeout
+        self._stop = threading.Event()
+        self._cancel_reason: str | None = None
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._current = self._attempt(1, launcher, "")
+        self.launcher = launcher
+        jobs.register(self)
+        threading.Thread(target=self._supervise, daemon=True,
+                         name=f"nbdist-restarts-{self.id}").start()
+
+    # -- attempts ---------------------------------------------------------------------------
+    def _world_env(self, number: int) -> dict[str, str]:
+        return {
+            "TORCHELASTIC_RESTART_COUNT": str(number - 1),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            _checkpoint.ENV: self.checkpoint_dir,
+        }
+
+    def _attempt(self, number: int, launcher: Any, why: str) -> jobs.Job:
+        args = {**self._job_args, "world_env": self._world_env(number)}
+        timeout = None
+        if self._deadline is not None:
+            timeout = max(0.1, self._deadline - time.monotonic())
+        self._state.begin(number, f"{self.id}.{number}", why)
+        job = jobs.Job(self._payload, self.np, launcher, timeout=timeout,
+                       job_state=self.state, **args)
+        with self._state.lock:
+            self._state.attempts[-1].job_id = job.id
+        return job
+
+    def _supervise(self) -> None:
+        number = 1
+        try:
+            while True:
+                current = self._current
+                current.wait()
+                end = AttemptEnd(current.error, current.outcomes, current.lost_hosts,
+                                 cancelled=self._cancel_reason is not None)
+                if current.error is None:
+                    self._state.end_attempt("done", "")
+                    self._end(None)
+                    return
+                if not self.max_restarts:  # no restarts: the attempt's error as it is
+                    self._state.end_attempt(_first_line(current.error), "")
+                    self._end(current.error)
+                    return
+                verdict = judge(end, restart_on_error=self.restart_on_error)
+                cause = _first_line(current.error)
+                left = number <= self.max_restarts
+                restart = verdict.restart and left
+                said = verdict.text()
+                if verdict.restart and not left:
+                    said = f"not restarted: no restarts left (rule '{verdict.rule.name}')"
+                self._state.end_attempt(cause, said)
+                if not restart:
+                    self._end(self._final_error(current.error, verdict, left))
+                    return
+                number += 1
+                why = f"attempt {number - 1} ended: {cause} — {verdict.text()}"
+                launcher = self._wait_for_capacity(number, why)
+                if launcher is None:
+                    return  # _wait_for_capacity ended the job
+                try:
+                    attempt = self._attempt(number, launcher, why)
+                except (CapacityError, LaunchError, OSError, ValueError) as exc:
+                    self._state.end_attempt(f"could not start: {exc}", "not restarted")
+                    self._end(self._final_error(exc, None, False))
+                    return
+                with self._lock:
+                    self._current = attempt
+                    reason = self._cancel_reason
+                if reason is not None:  # cancelled while it was being started
+                    attempt.cancel(reason)
+        except BaseException as exc:  # never leave a cell waiting on a dead thread
+            self._end(DistributedError(f"job {self.id}: nbdist's restart logic failed: "
+                                       f"{type(exc).__name__}: {exc}", job_id=self.id))
+            raise
+
+    def _wait_for_capacity(self, number: int, why: str) -> Any:
+        """A launcher that can run the N ranks now, or None once the wait is over (ended)."""
+        deadline = time.monotonic() + self.capacity_wait
+        bound = f"{self.capacity_wait:g} s (--capacity-wait)"
+        if self._deadline is not None and self._deadline < deadline:
+            deadline, bound = self._deadline, f"the job's --timeout of {self.timeout:g} s"
+        while True:
+            if self._cancel_reason is not None:
+                self._end(self._cancelled_error())
+                return None
+            launcher = self._new_launcher()
+            gpu = self._current.gpu  # as the first attempt chose it
+            try:
+                launcher.check(self.np, gpu)
+                return launcher
+            except CapacityError as exc:
+                short = exc
+                try:
+                    cap = launcher.capacity()
+                    free: int | str = min(cap.slots, cap.gpus) if gpu else cap.slots
+                except Exception:  # the backend cannot say; the error below will
+                    free = "?"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._state.set_note(f"attempt {number} of {self._state.total} could not start")
+                self._end(DistributedError(
+                    f"job {self.id} could not restart: the backend did not have the slots for "
+                    f"{self.np} ranks within {bound}: {short}\n" + self._attempts_text(),
+                    job_id=self.id, reason="failed"))
+                return None
+            self._state.set_note(
+                f"attempt {number} of {self._state.total} waiting for {self.np} slots, {free} "
+                f"free ({left:.0f} s left of --capacity-wait {self.capacity_wait:g}) · {why}")
+            if self._stop.wait(min(CAPACITY_POLL_S, max(left, 0.0))):
+                continue  # cancelled: the loop says so
+
+    def _end(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+        if error is None:
+            final, reason = state.DONE, self._current.lost_output or ""
+        elif getattr(error, "reason", "") == "cancelled":
+            final, reason = state.CANCELLED, str(error)
+        else:
+            final, reason = state.FAILED, str(error)
+        if self._mlflow is not None:
+            self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
+        if error is None and len(self._state.attempts) > 1:
+            self._state.set_note(f"done on attempt {len(self._state.attempts)} of "
+                                f"{self._state.total}")
+        self._state.close(final, reason)
+        self._done.set()
+        if self.retained_bytes():
+            jobs.retain(self)
+
+    # -- errors -----------------------------------------------------------------------------
+    def _attempts_text(self) -> str:
+        lines = []
+        for a in self._state.attempts:
+            verdict = f" → {a.verdict}" if a.verdict else ""
+            lines.append(f"  attempt {a.number} of {self._state.total} ({a.job_id}, "
+                         f"{a.duration:.1f} s): {a.cause or 'running'}{verdict}")
+        return "attempts:\n" + "\n".join(lines)
+
+    def _final_error(self, error: BaseException, verdict: Verdict | None,
+                     left: bool) -> BaseException:
+        if verdict is not None and verdict.rule.name == "cancelled":
+            return self._cancelled_error()
+        if verdict is not None and not verdict.restart:
+            head = (f"job {self.id}: attempt {len(self._state.attempts)} of {self._state.total} "
+                    f"failed and was not restarted: rule '{verdict.rule.name}': "
+                    f"{verdict.rule.why}.")
+        elif verdict is not None:
+            head = (f"job {self.id} failed on all {self._state.total} attempts "
+                    f"(--max-restarts {self.max_restarts}).")
+        else:
+            head = f"job {self.id} could not start attempt {len(self._state.attempts)}."
+        failures = getattr(error, "failures", None) or {}
+        return DistributedError(
+            f"{head}\n{self._attempts_text()}\nlast attempt: {error}", job_id=self.id,
+            reason=str(getattr(error, "reason", "failed")), failures=failures)
+
+    def _cancelled_error(self) -> DistributedError:
+        return DistributedError(
+            f"job {self.id} was cancelled ({self._cancel_reason or 'cancelled'}); all "
+            f"{self.np} ranks were stopped\n{self._attempts_text()}",
+            job_id=self.id, reason="cancelled")
+
+    # -- what a job offers (jobs.Handle) ----------------------------------------------------
+    @property
+    def attempts(self) -> list[Attempt]:
+        with self._state.lock:
+            return [dataclasses.replace(a) for a in self._state.attempts]
+
+    @property
+    def gpu(self) -> bool:
+        return self._current.gpu
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self, reason: str = "cancelled by the user") -> None:
+        """Stop every rank of the running attempt; no further attempt starts."""
+        if self._done.is_set():
+            return
+        with self._lock:
+            if self._cancel_reason is None:
+                self._cancel_reason = reason
+            current = self._current
+        self._stop.set()
+        current.cancel(reason)
+
+    def wait(self, timeout: float | None = None,
+             on_tick: Callable[[], None] | None = None) -> bool:
+        """Block until the last attempt is over (True) or ``timeout`` passed (False)."""
+        return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
+                         teardown_s=jobs.TEARDOWN_S)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's value of the attempt that succeeded; raises if every attempt failed."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"job {self.id} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._current.result()
+
+    @property
+    def results(self) -> list[Any]:
+        self.result()
+        return self._current.results
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    @property
+    def lost_output(self) -> str | None:
+        return self._current.lost_output
+
+    def retained_bytes(self) -> int:
+        # Nothing until the job is over: an attempt's own end counts its values then.
+        return self._current.retained_bytes() if self._done.is_set() else 0
+
+    def drop_values(self) -> None:
+        self._current.drop_values()
+
+    def __repr__(self) -> str:
+        return (f"<nbdist job {self.id}: {self.np} ranks on {self.state.backend}, "
+                f"{self.state.status}, attempt {len(self._state.attempts)} of {self._state.total}>")
+
+
+def _same_backend(launcher: Any) -> Callable[[], Any]:
+    """How to make a launcher like ``launcher`` again, from any thread.
+
+    The active SparkSession is the calling thread's: it is taken now, in the thread that
+    started the job, since restarts are launched from a thread of the job's own.
+    """
+    if launcher.name == "spark":
+        from nbdist.launch.spark import SparkLauncher, active_session
+
+        session = active_session()
+        return lambda: SparkLauncher(session)
+    kind = type(launcher)
+    return lambda: kind()
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def start(
+    payload: Payload,
+    np: int,
+    *,
+    max_restarts: int = 0,
+    restart_on_error: bool = False,
+    capacity_wait: float | None = None,
+    checkpoint_dir: str | None = None,
+    backend: str = "auto",
+    gpu: bool | None = None,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    label: str = "",
+    mlflow: bool = False,
+) -> jobs.Job | ElasticJob:
+    """Start a job that restarts (``max_restarts`` > 0), else an ordinary one (the magics).
+
+    ``checkpoint_dir`` alone (no restarts) only sets ``nbdist.checkpoint_dir()`` on the ranks.
+    """
+    _check(max_restarts, restart_on_error, capacity_wait, timeout)
+    if not max_restarts:
+        if checkpoint_dir is not None:
+            env = {**(env or {}), _checkpoint.ENV: _absolute(checkpoint_dir)}
+        return jobs.start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
+                          label=label, mlflow=mlflow)
+    return _elastic(payload, np, max_restarts=max_restarts, restart_on_error=restart_on_error,
+                    capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir,
+                    backend=backend, gpu=gpu, timeout=timeout, env=env, label=label,
+                    mlflow=mlflow)
+
+
+def _check(max_restarts: int, restart_on_error: bool, capacity_wait: float | None,
+           timeout: float | None) -> None:
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
+    if restart_on_error and not max_restarts:
+        raise ValueError("restart_on_error needs max_restarts: how many restarts to allow "
+                         "(--max-restarts K)")
+    if capacity_wait is not None and capacity_wait < 0:
+        raise ValueError(f"capacity_wait must be 0 or more seconds, not {capacity_wait:g}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError("timeout must be a positive number of seconds")
+
+
+def _absolute(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _elastic(payload: Payload, np: int, *, checkpoint_dir: str | None,
+             **kw: Any) -> ElasticJob:
+    try:
+        return ElasticJob(payload, np, checkpoint_dir=None if checkpoint_dir is None
+                          else _absolute(checkpoint_dir), **kw)
+    except OSError as exc:
+        raise LaunchError(f"could not start the ranks: {exc}") from exc
+
+
+def run(
+    fn: Callable[..., Any],
+    *args: Any,
+    max_restarts: int = 0,
+    restart_on_error: bool = False,
+    capacity_wait: float | None = None,
+    checkpoint_dir: str | None = None,
+    np: int = 2,
+    backend: str = "auto",
+    gpu: bool | None = None,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    mlflow: bool = False,
+    **kwargs: Any,
+) -> ElasticJob:
+    """:func:`nbdist.job.run` with restarts (``nbdist.run(..., max_restarts=K)``).
+
+    Parameters
+    ----------
+    max_restarts : int
+        Launch every rank again after a fault (a lost host, a signal), up to this many times;
+        0: one attempt, as a plain job (the job still offers ``attempts``).
+    restart_on_error : bool
+        Restart after a Python exception of the cell too (taken for a bug otherwise).
+    capacity_wait : float, optional
+        Seconds a restart waits for the slots of N ranks (default ``settings.capacity_wait``).
+    checkpoint_dir : str, optional
+        What ``nbdist.checkpoint_dir()`` returns on the ranks: a path every rank can reach.
+
+    Returns
+    -------
+    ElasticJob
+        Used as a :class:`~nbdist.job.Job`; ``.attempts`` lists the attempts.
+    """
+    _check(max_restarts, restart_on_error, capacity_wait, timeout)
+    payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    return _elastic(payload, np, max_restarts=max_restarts, restart_on_error=restart_on_error,
+                    capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir,
+                    backend=backend, gpu=gpu, timeout=timeout, env=env,
+                    label=getattr(fn, "__name__", "fn"), mlflow=mlflow)

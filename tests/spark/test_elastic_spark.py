@@ -1,0 +1,82 @@
+"""Restarts on a real standalone cluster: an executor JVM killed mid-training, the job goes on."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from pyspark.sql import SparkSession
+
+import nbdist
+from nbdist import state
+
+from ..helpers import wait_for
+from ..sparks import MARK
+from ..test_elastic import trainer
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.usefixtures("no_leftover_spark_ranks")]
+
+
+def _executor(host: str, mark: str) -> psutil.Process:
+    """The executor JVM of this test run on ``host`` (a worker's address); other test runs on
+    the machine may have their own, on the same loopback addresses."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            cmd = proc.cmdline()
+            if proc.environ().get(MARK) != mark:
+                continue
+        except psutil.Error:
+            continue
+        if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in cmd and \
+                cmd[cmd.index("--hostname") + 1] == host:
+            found.append(proc)
+    assert len(found) == 1, f"executors on {host}: {found}"
+    return found[0]
+
+
+def test_killed_executor_restarts_the_job_to_the_same_parameters(
+    spark_cluster: SparkSession, spark_mark: str, tmp_path: Path,
+) -> None:
+    """Rank 1's executor JVM SIGKILLed mid-training: the job restarts on the executors there
+    are (Spark starts a new one on that worker), resumes from its checkpoint and ends with the
+    parameters of an uninterrupted run."""
+    train = trainer()
+    steps, every, stop_at = 24, 5, 13
+    started = time.monotonic()
+    expected = nbdist.run(train, steps, every, None, str(tmp_path / "unused"), np=4,
+                          checkpoint_dir=str(tmp_path / "plain")).result(timeout=300)
+    baseline = time.monotonic() - started
+
+    ready = tmp_path / "ready"
+    started = time.monotonic()
+    job = nbdist.run(train, steps, every, stop_at, str(ready), np=4, max_restarts=2,
+                     checkpoint_dir=str(tmp_path / "elastic"))
+    wait_for(ready.exists, 300, "rank 1 to reach the step where its executor is killed")
+    host = job.state.ranks[1].host
+    assert host is not None
+    _executor(host, spark_mark).kill()
+    killed = time.monotonic()
+    notes: set[str] = set()
+    job.wait(timeout=400, on_tick=lambda: notes.add(job.state.note))
+    after_kill = time.monotonic() - killed
+    total = time.monotonic() - started
+    waited = sorted(n.split(" (")[0] for n in notes if "waiting for" in n)
+    print(f"figure: Spark executor kill -> completion {after_kill:.2f} s; whole restarted job "
+          f"{total:.2f} s, uninterrupted {baseline:.2f} s (ratio {total / baseline:.2f}); "
+          f"capacity waits seen: {waited or 'none'}; attempts: "
+          f"{[(a.cause[:60], a.verdict) for a in job.attempts]}")
+
+    got = job.result()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    first, *_, last = job.attempts
+    assert f"the Spark executor on {host} was lost" in first.cause, first.cause
+    assert first.verdict == "restarted (rule 'lost host')"
+    assert last.cause == "done" and job.state.status == state.DONE
+    texts = [line.text for line in job.state.merged]
+    assert "attempt 0 from step 0" in texts and f"attempt {last.number - 1} from step 10" in texts
