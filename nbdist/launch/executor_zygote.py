@@ -74,7 +74,10 @@ def supported() -> bool:
 
 def socket_dir() -> str:
     """``<tmpdir>/nbdist-<uid>``, made 0700 if it is not there; refused if not ours."""
-    path = os.path.join(tempfile.gettempdir(), f"nbdist-{os.getuid()}")
+    base = tempfile.gettempdir()
+    if len(base) > 60:  # a socket's path must fit in 108 bytes (YARN's container tmp does not)
+        base = "/tmp"
+    path = os.path.join(base, f"nbdist-{os.getuid()}")
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
