@@ -292,9 +292,20 @@ def spark_first(zygote: bool) -> float:
     return elapsed
 
 
+FORKED: list[bool] = []  # whether every rank of a "later run" was forked from the zygote
+
+
 def spark_later(zygote: bool) -> float:
+    from nbdist import timeline
+
     with environ(NBDIST_ZYGOTE="1" if zygote else "0"):
-        return timed(nbdist_spark, trivial)
+        start = time.perf_counter()
+        job = nbdist.run(trivial, np=2, backend="spark")
+        job.result()
+        elapsed = time.perf_counter() - start
+    if zygote:
+        FORKED.append(all(timeline.FORKED in r.marks for r in job.state.ranks))
+    return elapsed
 
 
 def warm_scenarios(spark: Any, reps: int) -> list[dict[str, Any]]:
@@ -337,6 +348,8 @@ def warm_scenarios(spark: Any, reps: int) -> list[dict[str, Any]]:
              lambda: spark_later(False)},
         "TorchDistributor local_mode=False", reps,
     ))
+    results[-1]["rows"].append(("(later runs with every rank forked)",
+                                f"{sum(FORKED)} of {len(FORKED)}", "", len(FORKED)))
     results.append(scenario(
         "7. Spark local[2], first run (no executor zygote yet), np=2",
         {"nbdist spark, NBDIST_ZYGOTE=0 (the old path)": lambda: spark_first(False),

@@ -2,9 +2,10 @@
 
 A Spark task's rank would otherwise be a fresh interpreter every time, paying ``import torch``
 (about a second) on every run. The first nbdist task on an executor starts its rank as before
-and, as it begins, a zygote beside it that stays behind (:meth:`ExecutorZygote._start`): one
-per executor, Python environment and application, importing the job's modules in a thread at
-nice 19, so that it takes only the CPU the rank leaves idle and the first run is not slowed.
+and, once that rank's code has returned, a zygote that stays behind
+(:meth:`ExecutorZygote.on_mark`): one per executor, Python environment and application,
+importing the job's modules in a thread at nice 19, while the rank's result travels back: it
+never competes with the rank, so the first run is not slowed.
 Later tasks of the same application connect to it over a
 local Unix socket as they begin (overlapping the rendezvous) and ask it for a forked rank
 (:meth:`ExecutorZygote.take`); a task that finds none starts its rank fresh, as before. The
@@ -52,6 +53,7 @@ from typing import Any
 
 from nbdist.launch.zygote import Forked, import_modules
 from nbdist.rank import RankProcess, RankSpec, new_sync_marker
+from nbdist.timeline import END, EXIT
 
 #: How the zygote is started; the ranks it forks show the same command line.
 COMMAND = "from nbdist.launch.executor_zygote import main; main()"
@@ -147,6 +149,10 @@ class ExecutorZygote:
         self._modules: list[str] = []
         #: The pid of the process this task started to become the executor's zygote, if any.
         self.started: int | None = None
+        self._wanted = False  # none was there: this task starts one once its rank imported
+        self._starting = False
+        self._started = threading.Event()
+        self._lock = threading.Lock()
 
     # -- connecting ------------------------------------------------------------------------------
     def connect(self, modules: list[str] | tuple[str, ...]) -> None:
@@ -177,11 +183,10 @@ class ExecutorZygote:
             sock.settimeout(None)
             self.sock, self.ready_at = sock, time.time()
         except (FileNotFoundError, ConnectionRefusedError) as exc:  # none here (any more)
+            # This task's rank starts fresh; the zygote for the next ones starts once the
+            # rank has imported its modules (``on_mark``), so that it never competes with them.
             self.why = f"{type(exc).__name__}: {exc}"
-            self._connected.set()
-            # This task's rank starts fresh; the zygote for the next ones starts now, its
-            # imports at nice 19 while this rank imports the same at full speed.
-            self.started = self._start(self._modules, LOW_NICE)
+            self._wanted = True
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.why = f"{type(exc).__name__}: {exc}"
         finally:
@@ -251,14 +256,41 @@ class ExecutorZygote:
             sock.close()
 
     # -- leaving one behind ----------------------------------------------------------------------
+    def on_mark(self, name: str) -> None:
+        """The supervisor's hook: once this task's fresh rank has done its work (the user's
+        code returned, or the rank ended), start the zygote for the next tasks in the
+        background, its imports at nice 19. Started any earlier, its start and
+        ``import torch`` would compete with the rank's own (a function's imports are in its
+        body) and its work for the CPU, and make the first run slower (measured)."""
+        if name not in (END, EXIT) or not self._wanted:
+            return
+        with self._lock:
+            if self._starting:
+                return
+            self._starting = True
+        threading.Thread(target=self._start_wanted, args=(LOW_NICE,),
+                         name="nbdist-executor-zygote-start", daemon=True).start()
+
+    def _start_wanted(self, nice: int) -> None:
+        self.started = self._start(self._modules, nice)
+        self._started.set()
+
     def leave_behind(self, modules: list[str]) -> int | None:
-        """After a rank started fresh, when no zygote was started as the task began (one was
-        there but would not fork, e.g. a module of it changed on disk and it went): start one
-        now, importing ``modules`` (what the rank imported); see :meth:`_start`."""
+        """After the rank: when no zygote was started for the next tasks yet (the rank never
+        got to its imports; or the zygote there would not fork, e.g. a module of it changed on
+        disk and it went), start one now, importing ``modules`` (what the rank imported) as
+        well; see :meth:`_start`. Returns once the start (a fork and exec) is done."""
         self._connected.wait(WAIT_S)
-        if self._rank is not None or self.started is not None:
+        with self._lock:
+            starting, self._starting = self._starting, True
+        if starting:
+            self._started.wait(WAIT_S)
+            return self.started
+        if self._rank is not None:
             return None
-        return self._start(sorted(set(modules) | set(self._modules)), 0)
+        self._modules = sorted(set(modules) | set(self._modules))
+        self._start_wanted(LOW_NICE)
+        return self.started
 
     def _start(self, modules: list[str], nice: int) -> int | None:
         """Start the executor's zygote for the next tasks. The pid of the process started (it
@@ -302,6 +334,29 @@ class ExecutorZygote:
         threading.Thread(target=proc.wait, name="nbdist-executor-zygote-start",
                          daemon=True).start()
         return proc.pid
+
+
+def _sweep(directory: str) -> None:
+    """Remove what zygotes killed by SIGKILL left: a socket and a lock file nobody holds."""
+    for name in os.listdir(directory):
+        if not name.endswith(".lock"):
+            continue
+        lock = os.path.join(directory, name)
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live zygote's, or one starting
+            os.close(fd)
+            continue
+        try:
+            for path in (lock[:-5] + ".sock", lock):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        finally:
+            os.close(fd)
 
 
 def _live_zygotes(directory: str, mine: int) -> int:
@@ -369,6 +424,8 @@ class _Server:
         os.rename(staging, self.path)
         self.inode = os.stat(self.path).st_ino
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
+        with contextlib.suppress(OSError):
+            _sweep(os.path.dirname(self.path))
         self.safe, self.why = True, ""
         self._warm(list(config.get("modules", [])), int(config.get("nice") or 0))
 

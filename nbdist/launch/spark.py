@@ -609,6 +609,8 @@ def run_task(
     zygote = _executor_zygote(spec, warm, modules)
     sup = Supervisor(spec, take=None if zygote is None else _take(zygote, lambda: sup),
                      gather=gather)
+    if zygote is not None:
+        sup.on_mark = zygote.on_mark
     try:
         outcome = sup.run()
         if zygote is not None:

@@ -96,15 +96,20 @@ def test_a_stranger_without_the_applications_secret_is_refused(
     directory = executor_zygote.socket_dir()
     assert os.stat(directory).st_mode & 0o777 == 0o700
     paths = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".sock")]
-    assert paths
+    tried = 0
     for path in paths:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
             sock.settimeout(60)
-            sock.connect(path)
+            try:
+                sock.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):  # one that went meanwhile
+                continue
+            tried += 1
             challenge = json.loads(sock.recv(1 << 16))
             wrong = executor_zygote.mac("not the secret", challenge["nonce"])
             sock.send(json.dumps({"t": "hello", "mac": wrong, "modules": []}).encode())
             assert sock.recv(1 << 16) == b"", "the zygote answered a wrong MAC"
+    assert tried, f"no live zygote socket among {paths}"
 
 
 def _executor_jvms(mark: str) -> list[psutil.Process]:
