@@ -68,6 +68,19 @@ def trivial() -> int:
     return rank
 
 
+def synced() -> int:
+    """``trivial`` with a barrier before the group is destroyed (scenarios 5-7): ranks forked
+    warm are so quick that rank 0 could close the group while rank 1 still connects to it
+    (gloo: "Connection closed by peer")."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    return rank
+
+
 def training(steps: int = STEPS) -> float:
     import torch
     import torch.distributed as dist
@@ -246,7 +259,7 @@ def _fresh_kernel_child() -> None:
                     memory[name] = int(rest.split()[0]) / 1024  # MB
     ready = local.pool.wait_ready(0) and bool(local.pool.pids())
     start = time.perf_counter()
-    nbdist.run(trivial, np=2, backend="local").result()
+    nbdist.run(synced, np=2, backend="local").result()
     first = time.perf_counter() - start
     latencies.sort()
     print(json.dumps({"first": first, "load_s": load_s, "memory_mb": memory, "ready": ready,
@@ -287,7 +300,7 @@ def kill_executor_zygotes() -> None:
 def spark_first(zygote: bool) -> float:
     kill_executor_zygotes()
     with environ(NBDIST_ZYGOTE="1" if zygote else "0"):
-        elapsed = timed(nbdist_spark, trivial)
+        elapsed = timed(nbdist_spark, synced)
     kill_executor_zygotes()  # its imports must not run beside the next contender
     return elapsed
 
@@ -300,7 +313,7 @@ def spark_later(zygote: bool) -> float:
 
     with environ(NBDIST_ZYGOTE="1" if zygote else "0"):
         start = time.perf_counter()
-        job = nbdist.run(trivial, np=2, backend="spark")
+        job = nbdist.run(synced, np=2, backend="spark")
         job.result()
         elapsed = time.perf_counter() - start
     if zygote:
@@ -318,7 +331,7 @@ def warm_scenarios(spark: Any, reps: int) -> list[dict[str, Any]]:
 
     results = [scenario(
         "5. first cell of a fresh kernel, nbdist loaded 5 s earlier, np=2",
-        {"mp.spawn": lambda: timed(spawn, trivial),
+        {"mp.spawn": lambda: timed(spawn, synced),
          "nbdist, zygote started at load (default)": lambda: kernel(True),
          "nbdist, NBDIST_WARM_AT_LOAD=0": lambda: kernel(False)},
         "mp.spawn", reps,
@@ -338,11 +351,11 @@ def warm_scenarios(spark: Any, reps: int) -> list[dict[str, Any]]:
                                        len(figures)))
     if spark is None:
         return results
-    nbdist_spark(trivial)  # the application's executor zygote, for the later runs
-    nbdist_spark(trivial)
+    nbdist_spark(synced)  # the application's executor zygote, for the later runs
+    nbdist_spark(synced)
     results.append(scenario(
         "6. Spark local[2], later runs of the application, np=2",
-        {"TorchDistributor local_mode=False": lambda: timed(torch_distributor(False), trivial),
+        {"TorchDistributor local_mode=False": lambda: timed(torch_distributor(False), synced),
          "nbdist spark, ranks forked from the executor's zygote": lambda: spark_later(True),
          "nbdist spark, NBDIST_ZYGOTE=0 (fresh ranks: the old path)":
              lambda: spark_later(False)},

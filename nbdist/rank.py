@@ -353,6 +353,10 @@ class Supervisor:
             self._quitting = True
             rp.send(runtime.QUIT, b"")
 
+    def world(self) -> dict[str, str]:
+        """The rank's environment from the rendezvous (empty before it)."""
+        return dict(self._world_env)
+
     def mark(self, name: str, at: float | None = None) -> None:
         """Stamp a moment of the launch (``nbdist.timeline``); the first stamp of each counts.
         Kept until the channel is up, then sent (lost without a channel, and not counted)."""

@@ -63,6 +63,8 @@ WAIT_S = 60.0
 #: At most this many zygotes per executor and uid (each holds its imports: torch ≈ 300 MB);
 #: another environment then starts its ranks fresh until one of them goes.
 MAX_PER_HOST = 2
+#: The longest a rank waits for rank 0 of its job to be forked first on the same zygote.
+FIRST_WAIT_S = 1.0
 #: The nice value of the imports of a zygote started while a job's rank runs beside it.
 LOW_NICE = 19
 _PACKET = 1 << 16
@@ -193,8 +195,10 @@ class ExecutorZygote:
             self._connected.set()
 
     # -- forking ---------------------------------------------------------------------------------
-    def take(self, spec: RankSpec) -> RankProcess | None:
-        """The rank forked from the executor's zygote, or None (start it fresh)."""
+    def take(self, spec: RankSpec, rank0_here: bool = False) -> RankProcess | None:
+        """The rank forked from the executor's zygote, or None (start it fresh). With
+        ``rank0_here`` (rank 0 of the job runs on this host) a rank but 0 is forked after it,
+        or ``FIRST_WAIT_S`` later."""
         self._connected.wait(WAIT_S)
         sock = self.sock
         if sock is None:
@@ -208,7 +212,9 @@ class ExecutorZygote:
         sync = new_sync_marker()
         pid = None
         try:
-            socket.send_fds(sock, [json.dumps({"t": "fork", "sync": sync}).encode()], theirs)
+            request = {"t": "fork", "sync": sync, "job": spec.job_id, "rank": spec.rank,
+                       "after_rank0": rank0_here and spec.rank != 0}
+            socket.send_fds(sock, [json.dumps(request).encode()], theirs)
             sock.settimeout(WAIT_S)
             answer = json.loads(sock.recv(_PACKET) or b"{}")
             sock.settimeout(None)
@@ -396,6 +402,9 @@ class _Server:
         self.sel = selectors.PollSelector()
         self.conns: dict[int, tuple[socket.socket, str, bool]] = {}  # fd: (sock, nonce, authed)
         self.ranks: dict[int, socket.socket] = {}  # pid: the connection that asked for it
+        #: Jobs whose rank 0 was forked here (the latest few), and forks waiting for theirs.
+        self.rank0: list[str] = []
+        self.deferred: list[tuple[float, int, list[int], dict[str, Any]]] = []
         self.retiring = False
         self.idle_since = time.monotonic()
         self.pidfds: list[int] = []
@@ -456,6 +465,9 @@ class _Server:
                 self._exit()
             timeout = None if busy else max(0.0, self.idle_s
                                             - (time.monotonic() - self.idle_since)) + 0.01
+            if self.deferred:
+                due = max(0.0, min(d for d, _, _, _ in self.deferred) - time.monotonic())
+                timeout = due if timeout is None else min(timeout, due)
             for sel_key, _ in self.sel.select(timeout):
                 what = sel_key.data
                 if what == "gone":  # the executor (or its Python daemon) ended
@@ -469,6 +481,7 @@ class _Server:
                     self._accept()
                 else:
                     self._message(what)
+            self._run_deferred()
 
     def _accept(self) -> None:
         try:
@@ -519,14 +532,39 @@ class _Server:
             safe, why, stale = self._warm(modules)
             self._answer(conn, {"t": "ready", "safe": safe, "why": why, "stale": stale})
         elif msg.get("t") == "fork":
-            pid = None
-            if self.safe and not self.retiring and len(fds) == 4:
-                pid = self._fork(conn, fds, str(msg.get("sync", "")))
-            for extra in fds:
-                os.close(extra)
+            job = str(msg.get("job", ""))
+            if msg.get("after_rank0") and job not in self.rank0 and len(fds) == 4:
+                self.deferred.append((time.monotonic() + FIRST_WAIT_S, fd, fds, msg))
+                return
+            self._fork_for(fd, fds, msg)
+
+    def _fork_for(self, fd: int, fds: list[int], msg: dict[str, Any]) -> None:
+        """Fork the rank a connection asked for (with its four pipes) and answer it."""
+        entry = self.conns.get(fd)
+        pid = None
+        if entry is not None and self.safe and not self.retiring and len(fds) == 4:
+            pid = self._fork(entry[0], fds, str(msg.get("sync", "")))
+        for extra in fds:
+            os.close(extra)
+        if entry is None:  # it went while its fork waited for rank 0's
             if pid is not None:
-                self.ranks[pid] = conn
-            self._answer(conn, {"t": "forked", "pid": pid})
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            return
+        if pid is not None:
+            self.ranks[pid] = entry[0]
+            if msg.get("rank") == 0:
+                self.rank0 = [*self.rank0[-31:], str(msg.get("job", ""))]
+        self._answer(entry[0], {"t": "forked", "pid": pid})
+
+    def _run_deferred(self) -> None:
+        """Forks whose rank 0 was forked meanwhile, or that waited ``FIRST_WAIT_S``."""
+        now = time.monotonic()
+        due = [d for d in self.deferred
+               if d[0] <= now or str(d[3].get("job", "")) in self.rank0]
+        self.deferred = [d for d in self.deferred if d not in due]
+        for _, fd, fds, msg in due:
+            self._fork_for(fd, fds, msg)
 
     def _answer(self, conn: socket.socket, msg: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):

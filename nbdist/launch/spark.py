@@ -642,7 +642,9 @@ def _take(zygote: Any, sup: Callable[[], Any]) -> Callable[[Any], Any]:
     from nbdist import timeline
 
     def take(spec: Any) -> Any:
-        rp = zygote.take(spec)
+        # torch's TCPStore client backs off about half a second when rank 0's store is not
+        # listening yet: where rank 0 runs on this host too, its fork comes first.
+        rp = zygote.take(spec, rank0_here=sup().world().get("MASTER_ADDR") == spec.host)
         if rp is not None:
             sup().mark(timeline.ZYGOTE, zygote.ready_at)
             sup().mark(timeline.FORKED, zygote.forked_at)
