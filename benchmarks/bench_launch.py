@@ -17,14 +17,17 @@ reported with the ratio to the baseline measured in the same run:
    bar, end to end: nbdist (cold and warm) vs mp.spawn (baseline).
 5. **first cell of a fresh kernel** — a new IPython shell in a process of its own loads nbdist,
    waits 5 s (while a tiny cell runs every 20 ms: its latency is the kernel's responsiveness
-   while the zygote warms), then runs the trivial job: with the zygote started at load
+   while the zygote warms), then runs the trivial job with a barrier (``synced``, also in
+   6 and 7: ranks that start warm are quick enough for gloo's race between rank 0 leaving and
+   rank 1 still connecting): with the zygote started at load
    (``warm_at_load``, the default) and without, vs ``mp.spawn`` (baseline). The zygote's
    memory (RSS, PSS) is read once it has imported torch and numpy.
 6. **Spark, later runs** — ``local[2]``: nbdist with ranks forked from the executor's zygote
    (left by an earlier run of the application) and with ``NBDIST_ZYGOTE=0`` (fresh ranks, the
    old path) vs TorchDistributor(local_mode=False) (baseline).
-7. **Spark, first run** — no executor zygote yet (killed before each run): nbdist, which starts
-   one beside the fresh ranks, vs the old path, ``NBDIST_ZYGOTE=0`` (baseline).
+7. **Spark, first run** — no executor zygote yet (killed before each run): nbdist, which leaves
+   one behind once its fresh ranks' code returned, vs the old path, ``NBDIST_ZYGOTE=0``
+   (baseline).
 
 Usage::
 
@@ -366,7 +369,7 @@ def warm_scenarios(spark: Any, reps: int) -> list[dict[str, Any]]:
     results.append(scenario(
         "7. Spark local[2], first run (no executor zygote yet), np=2",
         {"nbdist spark, NBDIST_ZYGOTE=0 (the old path)": lambda: spark_first(False),
-         "nbdist spark, zygote started beside the ranks": lambda: spark_first(True)},
+         "nbdist spark, leaving a zygote behind": lambda: spark_first(True)},
         "nbdist spark, NBDIST_ZYGOTE=0 (the old path)", reps,
     ))
     return results
