@@ -457,6 +457,7 @@ class _Server:
         return self.safe, self.why, False
 
     def serve(self) -> None:
+        self.idle_since = time.monotonic()  # idle from when its first imports are done
         while True:
             busy = bool(self.conns or self.ranks)
             if busy:

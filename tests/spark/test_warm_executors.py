@@ -112,6 +112,23 @@ def test_a_stranger_without_the_applications_secret_is_refused(
     assert tried, f"no live zygote socket among {paths}"
 
 
+def test_an_idle_zygote_goes(
+    spark_local: SparkSession, spark_mark: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An executor zygote nobody asked for a rank for NBDIST_WARM_IDLE_S seconds goes."""
+    for old in zygotes(spark_mark):  # started with the default idle time by earlier tests
+        old.terminate()
+    _none_within(lambda: zygotes(spark_mark), "the earlier tests' zygotes to go")
+    monkeypatch.setenv("NBDIST_WARM_IDLE_S", "5")  # read on the driver at each launch
+    _until_forked(2)
+    (zygote,) = zygotes(spark_mark)
+    wait_for(lambda: not zygote.is_running(), 60, "the idle zygote to go")
+    directory = executor_zygote.socket_dir()
+    assert not [n for n in os.listdir(directory) if n.endswith(".sock")
+                and os.path.exists(os.path.join(directory, n[:-5] + ".lock"))], \
+        "the zygote left its socket behind"
+
+
 def _executor_jvms(mark: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
