@@ -130,15 +130,18 @@ class Zygote:
         return self.proc.pid
 
     # -- requests ------------------------------------------------------------------------------
-    def warm(self, modules: list[str] | tuple[str, ...], check: bool = False) -> None:
+    def warm(self, modules: list[str] | tuple[str, ...], check: bool = False,
+             nice: int = 0) -> None:
         """Import ``modules`` (those not imported yet) in the background; with ``check`` (at
-        a launch), also when there is nothing new, for the zygote's check of its files."""
+        a launch), also when there is nothing new, for the zygote's check of its files. With
+        ``nice`` > 0 the imports run at that lower priority (``%load_ext``'s warm-up: the
+        kernel is never slowed by it); the ranks forked later are not affected."""
         new = sorted(set(modules) - self.modules)
         if not new and self._asked and not check:
             return
         with self._cond:
             self._asked += 1
-        if not self._send({"t": "warm", "modules": new}):
+        if not self._send({"t": "warm", "modules": new, "nice": nice}):
             with self._cond:
                 self._asked -= 1
 
@@ -315,7 +318,7 @@ def main() -> None:
             changed = changed_file(files)
             if changed is None:
                 since = time.time_ns()
-                imported = _import(msg.get("modules", []))
+                imported = import_modules(msg.get("modules", []), int(msg.get("nice") or 0))
                 files.update(module_files(files, since))
                 safe, why = _fork_safety()
             else:  # no more imports nor forks: the pool replaces it
@@ -371,6 +374,32 @@ def _installed(name: str, dirs: list[str]) -> bool:
         return True
     paths = [p for p in (spec.origin, *(spec.submodule_search_locations or ())) if p]
     return bool(paths) and all(is_installed(p, dirs) for p in paths)
+
+
+def import_modules(modules: list[str], nice: int = 0) -> list[str]:
+    """Import the installed ones of ``modules``; those imported.
+
+    With ``nice`` > 0, in a thread of its own at that nice value, joined before returning. On
+    Linux the nice value is a thread's, and a fork inherits the forking thread's: the ranks,
+    forked later by the main thread, keep the kernel's priority. (Lowering the nice value back
+    would need CAP_SYS_NICE, so the main thread never raises its own.) The thread is gone
+    before ``_fork_safety`` counts threads.
+    """
+    if nice <= 0:
+        return _import(modules)
+    done: list[str] = []
+
+    def low() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (AttributeError, OSError):  # not Linux, or not allowed: import anyway
+            pass
+        done.extend(_import(modules))
+
+    worker = threading.Thread(target=low, name="nbdist-zygote-import")
+    worker.start()
+    worker.join()
+    return done
 
 
 def _import(modules: list[str]) -> list[str]:
