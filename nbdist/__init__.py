@@ -77,7 +77,12 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbdist``: register ``%%distributed``, ``%dist_status``, ``%dist_cancel``."""
     from nbdist.magics import DistMagics
 
-    ipython.register_magics(DistMagics)
+    magics = DistMagics(shell=ipython)
+    ipython.register_magics(magics)
+    if magics.warm_at_load:  # the first cell's zygote, started in the background
+        from nbdist.launch.local import warm_at_load
+
+        warm_at_load()
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
-from traitlets import Enum, Float, Int, TraitError, Unicode, observe, validate
+from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
 from nbdist import _logcarry, elastic, events, launch, waiting
 from nbdist import job as jobs
@@ -270,6 +270,15 @@ class DistMagics(Magics):
     @observe("capacity_wait", "checkpoint_root")
     def _restart_setting(self, change: Any) -> None:
         setattr(elastic.settings, change["name"], change["new"])
+
+    warm_at_load = Bool(
+        True, config=True,
+        help="At %load_ext nbdist, when torch is installed, start the zygote the first local "
+        "job forks its ranks from, importing torch and numpy at low priority (nice 19), so "
+        "that the first cell starts at once. False (or NBDIST_WARM_AT_LOAD=0) waits for the "
+        "first job; NBDIST_ZYGOTE=0 and NBDIST_WARM_POOL=0 turn it off too. Set it in an "
+        "IPython profile (c.DistMagics.warm_at_load = False): it is read when nbdist loads.",
+    )
 
     @validate("heartbeat_timeout")
     def _valid_timeout(self, proposal: Any) -> float | None:

@@ -322,6 +322,9 @@ class Supervisor:
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
         self.marks: dict[str, float] = {}
+        #: Called with each new mark's name, from the thread that made it (a backend's hook:
+        #: Spark starts its executor's zygote once the rank has imported its modules).
+        self.on_mark: Callable[[str], None] | None = None
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: events.Event) -> None:
@@ -334,6 +337,10 @@ class Supervisor:
         elif self._cells is not None:
             self._cells.on_message(msg, self._rp)
 
+    def world(self) -> dict[str, str]:
+        """The rank's environment from the rendezvous (empty before it)."""
+        return dict(self._world_env)
+
     def mark(self, name: str, at: float | None = None) -> None:
         """Stamp a moment of the launch (``nbdist.timeline``); the first stamp of each counts.
         Kept until the channel is up, then sent (lost without a channel, and not counted)."""
@@ -342,6 +349,8 @@ class Supervisor:
         at = self.marks[name] = time.time() if at is None else at
         if self._client is not None:
             self._send({"t": "marks", "at": {name: at}})
+        if self.on_mark is not None:
+            self.on_mark(name)
 
     def _rank_pid_now(self) -> int | None:
         rp = self._rp

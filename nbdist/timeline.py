@@ -10,7 +10,11 @@ mark           clock        the moment
                             a Spark barrier task began on its executor
 ``preloaded``  rank host    local ranks: the zygote had imported the job's modules (the rank
                             is forked with them loaded); absent on Spark
+``zygote``     rank host    Spark ranks: the task reached its executor's zygote and it had the
+                            job's modules (connected while the rank met the others); absent when
+                            the rank started fresh
 ``world``      rank host    the rendezvous answer (the world: peers, ports) arrived
+``forked``     rank host    Spark ranks: the executor's zygote forked the rank
 ``spawned``    rank host    the rank's interpreter was obtained: forked from the zygote, taken
                             warm from the pool, or started fresh (``Popen`` returned)
 ``ready``      rank host    the interpreter runs nbdist's rank runtime (a warm one: when it
@@ -47,7 +51,9 @@ from typing import Any
 SUBMITTED = "submitted"
 SCHEDULED = "scheduled"
 PRELOADED = "preloaded"
+ZYGOTE = "zygote"
 WORLD = "world"
+FORKED = "forked"
 SPAWNED = "spawned"
 READY = "ready"
 IMPORTS = "imports"
@@ -58,15 +64,17 @@ EXIT = "exit"
 DELIVERED = "delivered"
 
 #: Every mark, in the order of a fresh launch (ties in time are broken by it).
-MARKS = (SUBMITTED, SCHEDULED, PRELOADED, WORLD, SPAWNED, READY, IMPORTS, OUTPUT, END, RESULT,
-         EXIT, DELIVERED)
+MARKS = (SUBMITTED, SCHEDULED, PRELOADED, ZYGOTE, WORLD, FORKED, SPAWNED, READY, IMPORTS,
+         OUTPUT, END, RESULT, EXIT, DELIVERED)
 _ORDER = {m: i for i, m in enumerate(MARKS)}
 
 #: The phase that ends at each mark: what the rank was waiting for until then.
 PHASES = {
     SCHEDULED: "schedule",       # the backend started the rank's supervisor (Spark: its task)
     PRELOADED: "zygote imports",  # the zygote imported the job's modules
+    ZYGOTE: "executor zygote",   # Spark: connect to the executor's zygote, its imports
     WORLD: "rendezvous",         # every rank said hello; the driver planned the world
+    FORKED: "fork from executor zygote",  # Spark: the executor's zygote forked the rank
     SPAWNED: "spawn",            # fork / warm pool / Popen
     READY: "interpreter",        # Python started and imported nbdist's runtime
     IMPORTS: "imports",          # the cell unpickled, its imports done

@@ -12,6 +12,10 @@ import psutil
 import pytest
 
 from .helpers import GONE_WITHIN_S
+
+# A zygote started at every %load_ext (the session's shell, every real kernel) would cost each
+# of those tests an import of torch; tests/test_warm_at_load.py turns it on where it is tested.
+os.environ.setdefault("NBDIST_WARM_AT_LOAD", "0")
 from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/faults)
     no_leftover_spark_ranks,
     release,

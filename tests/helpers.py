@@ -38,13 +38,16 @@ def running_job(np: int = 2) -> JobState:
 def is_rank(proc: psutil.Process) -> bool:
     """A rank's interpreter: started fresh (it runs nbdist.runtime), or forked by a zygote
     (it shows the zygote's command line, and so does its parent)."""
-    from nbdist.launch.zygote import COMMAND
+    from nbdist.launch import executor_zygote, zygote
 
     cmd = " ".join(proc.cmdline())
     if "nbdist.runtime" in cmd:
         return True
-    parent = proc.parent() if COMMAND in cmd else None
-    return parent is not None and COMMAND in " ".join(parent.cmdline())
+    for command in (zygote.COMMAND, executor_zygote.COMMAND):
+        parent = proc.parent() if command in cmd else None
+        if parent is not None and command in " ".join(parent.cmdline()):
+            return True
+    return False
 
 
 def rank_processes() -> list[psutil.Process]:

@@ -10,6 +10,8 @@ and the ranks run without live output.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -38,6 +40,11 @@ WARM_MAX = 16
 ZYGOTE = os.environ.get("NBDIST_ZYGOTE", "1") != "0" and sys.platform.startswith("linux")
 #: Zygotes kept at once, one per environment (each holds its imports: torch ≈ 300 MB).
 ZYGOTES_MAX = 2
+#: What a zygote started at ``%load_ext nbdist`` imports ahead of the first cell (those installed;
+#: ``NBDIST_WARM_AT_LOAD=0`` or ``%config DistMagics.warm_at_load = False`` turns it off).
+PRELOAD = ("torch", "numpy")
+#: The nice value of those imports: the kernel, and anything else the user runs, go first.
+PRELOAD_NICE = 19
 #: The longest a rank waits for its zygote's imports before it starts as a fresh interpreter.
 ZYGOTE_WAIT_S = 120.0
 #: The longest the other ranks wait for rank 0 to be forked first (it takes milliseconds).
@@ -71,7 +78,7 @@ def _user_paths() -> str:
     return os.pathsep.join([*keep, *([old] if old else [])])
 
 
-def _installation_stamp() -> tuple[int, ...]:
+def installation_stamp() -> tuple[int, ...]:
     """When the installation last changed: ``%pip install`` touches site-packages, and what a
     zygote or warm interpreter imported before that is not what a fresh rank would import.
     (A file edited in place inside site-packages does not touch the directory: a zygote finds
@@ -85,7 +92,7 @@ def _installation_stamp() -> tuple[int, ...]:
     return tuple(stamps)
 
 
-def _process_attributes() -> tuple[object, ...]:
+def process_attributes() -> tuple[object, ...]:
     """What a process started now by this thread inherits besides its environment: umask,
     CPU affinity, nice value and resource limits.
 
@@ -118,6 +125,37 @@ def _process_attributes() -> tuple[object, ...]:
     return (umask, affinity, nice, limits)
 
 
+def job_template(env: dict[str, str]) -> RankSpec:
+    """What every local rank of a job started now with ``env`` (``--env``) has in common:
+    the kernel's Python and working directory, its user paths; the pool's key is taken from
+    it."""
+    full = {"PYTHONPATH": _user_paths(), **env}
+    if not full["PYTHONPATH"]:
+        del full["PYTHONPATH"]
+    return RankSpec(rank=0, world_size=1, job_id="", secret="", driver=("127.0.0.1", 0),
+                    payload=b"", host="127.0.0.1", cwd=os.getcwd(), env=full)
+
+
+def warm_at_load() -> threading.Thread | None:
+    """``%load_ext nbdist``: when torch is installed, start the first job's zygote in the
+    background (``WarmPool.preload``); the thread doing it, or None when nothing is started
+    (``NBDIST_WARM_AT_LOAD=0``, no zygote here, torch not installed)."""
+    if os.environ.get("NBDIST_WARM_AT_LOAD", "1").strip() == "0" or not (WARM_POOL and ZYGOTE):
+        return None
+    try:
+        if importlib.util.find_spec("torch") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    # The key of the job it is for holds this thread's process attributes: a new thread
+    # inherits the loading thread's (affinity and nice are per thread on Linux).
+    thread = threading.Thread(target=pool.preload, args=(PRELOAD,), name="nbdist-preload",
+                              daemon=True)
+    pool.preloading = thread
+    thread.start()
+    return thread
+
+
 class WarmPool:
     """Where the next job's ranks come from warm: a zygote per environment, else interpreters
     started ahead with the last job's modules imported.
@@ -140,11 +178,13 @@ class WarmPool:
         self._filler: threading.Thread | None = None
         self._generation = 0  # bumped by clear(): a fill in flight then throws its work away
         self._last: set[str] = set()  # what the last job's ranks imported
+        #: The thread starting ``%load_ext``'s zygote (``warm_at_load``), if any.
+        self.preloading: threading.Thread | None = None
 
     @staticmethod
     def key(spec: RankSpec) -> tuple[object, ...]:
         return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())),
-                _installation_stamp(), _process_attributes())
+                installation_stamp(), process_attributes())
 
     @property
     def modules(self) -> list[str]:
@@ -158,8 +198,12 @@ class WarmPool:
             zygote = self._zygotes.get(self.key(spec))
         return zygote if zygote is not None and zygote.alive else None
 
-    def prepare(self, template: RankSpec, modules: tuple[str, ...]) -> None:
-        """At launch: the zygote of the job's environment starts importing ``modules``."""
+    def prepare(self, template: RankSpec, modules: tuple[str, ...], nice: int = 0,
+                idle: bool = False) -> None:
+        """At launch: the zygote of the job's environment starts importing ``modules``.
+
+        With ``idle`` (no job is starting: ``%load_ext``'s warm-up) its idle countdown starts
+        at once, and ``nice`` lowers the priority of its imports."""
         if not (WARM_POOL and ZYGOTE):
             return
         key = self.key(template)
@@ -180,13 +224,32 @@ class WarmPool:
                 self._zygotes[key] = zygote
             # Not idle while a job uses it: the countdown starts again when a job ends
             # (fill, rest), so a job longer than the idle limit keeps its zygote.
-            if self._timer is not None:
+            if idle:
+                self._arm_timer()
+            elif self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
         for old in evicted:
             old.discard()
         if zygote is not None:
-            zygote.warm(sorted(set(modules) | self._last), check=True)
+            zygote.warm(sorted(set(modules) | self._last), check=True, nice=nice)
+
+    def preload(self, modules: tuple[str, ...]) -> bool:
+        """``%load_ext nbdist``: start the zygote the first local job will use and let it
+        import ``modules`` (the installed ones) at low priority; True if one was started.
+
+        Its key is the one a job started now with default options gets (``template``): a
+        job with another environment, working directory or process attributes starts its own,
+        as always. Idle from the start, so it goes after ``WARM_IDLE_S`` like any other.
+        """
+        if not (WARM_POOL and ZYGOTE):
+            return False
+        template = job_template({})
+        with self._lock:
+            if self.key(template) in self._zygotes:  # a job got there first
+                return False
+        self.prepare(template, modules, nice=PRELOAD_NICE, idle=True)
+        return self._zygote(template) is not None
 
     def ready(self, spec: RankSpec, abort: threading.Event) -> bool:
         """Wait until the zygote of ``spec``'s environment has imported what it was asked
@@ -275,6 +338,9 @@ class WarmPool:
     def clear(self) -> None:
         """Let every zygote and idle interpreter go (and wait until each is gone; a zygote
         whose ranks still run goes when the last of them ends)."""
+        preloading, self.preloading = self.preloading, None
+        if preloading is not None and preloading is not threading.current_thread():
+            preloading.join()  # it only starts a process: it is not left to start one after
         with self._lock:
             zygotes, self._zygotes = list(self._zygotes.values()), {}
             timer, self._timer = self._timer, None
@@ -300,6 +366,8 @@ class WarmPool:
         """Wait up to ``timeout`` s until the zygotes and the interpreters being warmed have
         their imports."""
         deadline = time.monotonic() + timeout
+        if self.preloading is not None:
+            self.preloading.join(timeout)
         with self._lock:
             filler = self._filler
             zygotes = list(self._zygotes.values())
@@ -399,16 +467,13 @@ class LocalLauncher:
         # A session's end releases its ranks: nothing is warmed in their place.
         self._warm_after = not request.session
         gpus = visible_gpus() if request.gpu else []
-        env = {"PYTHONPATH": _user_paths(), **request.env}
-        if not env["PYTHONPATH"]:
-            del env["PYTHONPATH"]
-        cwd = os.getcwd()
+        template = job_template(request.env)
         hellos = self._hellos = Hellos(request.np, RankSpec.rendezvous_timeout)
         specs = [
-            RankSpec(
-                rank=rank, world_size=request.np, job_id=request.job_id, secret=request.secret,
-                driver=request.driver, payload=request.payload, host="127.0.0.1", cwd=cwd,
-                gpus=(gpus[rank],) if gpus else (), env=env, run_id=request.run_id,
+            dataclasses.replace(
+                template, rank=rank, world_size=request.np, job_id=request.job_id,
+                secret=request.secret, driver=request.driver, payload=request.payload,
+                gpus=(gpus[rank],) if gpus else (), run_id=request.run_id,
                 session=request.session,
             )
             for rank in range(request.np)

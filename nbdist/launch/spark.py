@@ -53,6 +53,9 @@ YOUNG_SESSION_S = 120.0
 CANCEL_GRACE_S = 4.0
 
 _Fields = dict[str, Any]
+#: One secret per Spark application: its executors' zygotes fork ranks only for those who know it.
+_APP_SECRETS: dict[str, str] = {}
+_SECRETS_LOCK = threading.Lock()
 _Task = Callable[[Iterable[Any]], Iterator[tuple[int, _Fields]]]
 
 
@@ -315,13 +318,25 @@ class SparkLauncher:
             )
 
     # -- running ----------------------------------------------------------------------------
+    def _warmth(self) -> tuple[str, str, float] | None:
+        """What the tasks need to use their executors' zygotes (``executor_zygote.py``): the
+        application's id, its secret (made once per application, here on the driver) and the
+        idle time; None when zygotes are off (``NBDIST_ZYGOTE=0``, ``NBDIST_WARM_POOL=0``)."""
+        if os.environ.get("NBDIST_ZYGOTE", "1") == "0" or os.environ.get(
+                "NBDIST_WARM_POOL", "1") == "0":
+            return None
+        app = str(self._sc.applicationId)
+        with _SECRETS_LOCK:
+            secret = _APP_SECRETS.setdefault(app, secrets.token_hex(32))
+        return app, secret, float(os.environ.get("NBDIST_WARM_IDLE_S", "600"))
+
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
         from pyspark import InheritableThread
 
         import nbdist
 
         group = f"nbdist-{request.job_id}-{secrets.token_hex(4)}"
-        task = _barrier_task(request, nbdist.__version__)
+        task = _barrier_task(request, nbdist.__version__, self._warmth())
         guard_stop_button()
         with self._lock:
             self._group = group
@@ -517,11 +532,13 @@ def _spark_reason(error: BaseException) -> tuple[str, str]:
 
 
 # -- the task side: runs inside Spark's Python workers ------------------------------------------
-def _barrier_task(request: LaunchRequest, version: str) -> _Task:
+def _barrier_task(request: LaunchRequest, version: str,
+                  warm: tuple[str, str, float] | None = None) -> _Task:
     """The function each barrier task runs; pickled by value, so it holds plain values only."""
     job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
     payload, gpu, env, run_id = request.payload, request.gpu, dict(request.env), request.run_id
     session, heartbeat_timeout = request.session, request.heartbeat_timeout
+    modules = request.modules
 
     def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
         import time
@@ -548,7 +565,7 @@ def _barrier_task(request: LaunchRequest, version: str) -> _Task:
             }}
             return
         yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
-                             run_id, session, heartbeat_timeout, scheduled)
+                             run_id, session, heartbeat_timeout, scheduled, warm, modules)
 
     return nbdist_rank
 
@@ -557,12 +574,17 @@ def run_task(
     ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
     payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
     session: bool = False, heartbeat_timeout: float | None = None, scheduled: float = 0.0,
+    warm: tuple[str, str, float] | None = None, modules: tuple[str, ...] = (),
 ) -> _Fields:
-    """Run one rank inside its barrier task with the shared supervisor; its outcome as fields."""
+    """Run one rank inside its barrier task with the shared supervisor; its outcome as fields.
+
+    With ``warm`` (the application's id, secret and idle time) the rank is forked from the
+    executor's zygote when there is one, and a rank started fresh leaves one behind for the
+    next tasks (``executor_zygote.py``)."""
     import json
 
     import nbdist
-    from nbdist.rank import RankSpec, supervise
+    from nbdist.rank import RankSpec, Supervisor
 
     if nbdist.__version__ != version:
         return {"status": RankStatus.FAILED, "error": {
@@ -586,14 +608,51 @@ def run_task(
         # part (they all fail to reach the same driver address).
         return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
 
+    zygote = _executor_zygote(spec, warm, modules)
+    sup = Supervisor(spec, take=None if zygote is None else _take(zygote, lambda: sup),
+                     gather=gather)
+    if zygote is not None:
+        sup.on_mark = zygote.on_mark
     try:
-        outcome = supervise(spec, gather)
+        outcome = sup.run()
+        if zygote is not None:
+            zygote.leave_behind(sup.modules)
     except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
         outcome = RankOutcome(rank, RankStatus.FAILED, error={
             "type": type(exc).__name__, "traceback": traceback.format_exc(),
             "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
         })
     return dataclasses.asdict(outcome)
+
+
+def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
+                     modules: tuple[str, ...]) -> Any:
+    """The task's handle on its executor's zygote, already connecting; None when off."""
+    if warm is None:
+        return None
+    from nbdist.launch.executor_zygote import ExecutorZygote, supported
+
+    if not supported():
+        return None
+    zygote = ExecutorZygote(*warm, spec=spec)
+    zygote.connect(modules)
+    return zygote
+
+
+def _take(zygote: Any, sup: Callable[[], Any]) -> Callable[[Any], Any]:
+    """The supervisor's ``take``: a rank forked from the executor's zygote, with its marks."""
+    from nbdist import timeline
+
+    def take(spec: Any) -> Any:
+        # torch's TCPStore client backs off about half a second when rank 0's store is not
+        # listening yet: where rank 0 runs on this host too, its fork comes first.
+        rp = zygote.take(spec, rank0_here=sup().world().get("MASTER_ADDR") == spec.host)
+        if rp is not None:
+            sup().mark(timeline.ZYGOTE, zygote.ready_at)
+            sup().mark(timeline.FORKED, zygote.forked_at)
+        return rp
+
+    return take
 
 
 def _task_host(ctx: Any, rank: int) -> str:

@@ -130,15 +130,18 @@ class Zygote:
         return self.proc.pid
 
     # -- requests ------------------------------------------------------------------------------
-    def warm(self, modules: list[str] | tuple[str, ...], check: bool = False) -> None:
+    def warm(self, modules: list[str] | tuple[str, ...], check: bool = False,
+             nice: int = 0) -> None:
         """Import ``modules`` (those not imported yet) in the background; with ``check`` (at
-        a launch), also when there is nothing new, for the zygote's check of its files."""
+        a launch), also when there is nothing new, for the zygote's check of its files. With
+        ``nice`` > 0 the imports run at that lower priority (``%load_ext``'s warm-up: the
+        kernel is never slowed by it); the ranks forked later are not affected."""
         new = sorted(set(modules) - self.modules)
         if not new and self._asked and not check:
             return
         with self._cond:
             self._asked += 1
-        if not self._send({"t": "warm", "modules": new}):
+        if not self._send({"t": "warm", "modules": new, "nice": nice}):
             with self._cond:
                 self._asked -= 1
 
@@ -292,7 +295,7 @@ def main() -> None:
     # running comes to the zygote, which kills it; only the ranks are its own children.
     become_subreaper()
     ranks: set[int] = set()
-    safe, why = _fork_safety()
+    safe, why = fork_safety()
     sel = selectors.PollSelector()  # not select.select: no limit on descriptor numbers
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
@@ -315,9 +318,9 @@ def main() -> None:
             changed = changed_file(files)
             if changed is None:
                 since = time.time_ns()
-                imported = _import(msg.get("modules", []))
+                imported = import_modules(msg.get("modules", []), int(msg.get("nice") or 0))
                 files.update(module_files(files, since))
-                safe, why = _fork_safety()
+                safe, why = fork_safety()
             else:  # no more imports nor forks: the pool replaces it
                 imported = []
                 safe, why = False, f"{changed} changed on disk since the zygote imported it"
@@ -373,6 +376,32 @@ def _installed(name: str, dirs: list[str]) -> bool:
     return bool(paths) and all(is_installed(p, dirs) for p in paths)
 
 
+def import_modules(modules: list[str], nice: int = 0) -> list[str]:
+    """Import the installed ones of ``modules``; those imported.
+
+    With ``nice`` > 0, in a thread of its own at that nice value, joined before returning. On
+    Linux the nice value is a thread's, and a fork inherits the forking thread's: the ranks,
+    forked later by the main thread, keep the kernel's priority. (Lowering the nice value back
+    would need CAP_SYS_NICE, so the main thread never raises its own.) The thread is gone
+    before ``fork_safety`` counts threads.
+    """
+    if nice <= 0:
+        return _import(modules)
+    done: list[str] = []
+
+    def low() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (AttributeError, OSError):  # not Linux, or not allowed: import anyway
+            pass
+        done.extend(_import(modules))
+
+    worker = threading.Thread(target=low, name="nbdist-zygote-import")
+    worker.start()
+    worker.join()
+    return done
+
+
 def _import(modules: list[str]) -> list[str]:
     done = []
     dirs = installation_dirs()
@@ -387,7 +416,7 @@ def _import(modules: list[str]) -> list[str]:
     return done
 
 
-def _fork_safety() -> tuple[bool, str]:
+def fork_safety() -> tuple[bool, str]:
     """Whether a fork now gives a child that works as a fresh interpreter would; why not."""
     if threading.active_count() > 1:
         names = ", ".join(t.name for t in threading.enumerate()
@@ -407,7 +436,7 @@ def _fork(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str)
     if pid:
         return pid
     try:
-        _become_rank(fds, sock, wake, sync)
+        become_rank(fds, sock, wake, sync)
     except BaseException:
         traceback.print_exc()  # on the rank's stderr if it got that far: its supervisor shows it
     os._exit(70)  # EX_SOFTWARE: the rank runtime could not start (it leaves by os._exit)
@@ -421,7 +450,7 @@ def _fresh_random_state() -> None:
     seeds them from entropy at import; so does this, for those already imported (a module not
     imported yet seeds itself when the rank imports it). Python's ``random`` reseeds itself
     after a fork. torch's CUDA generators need nothing: CUDA is never initialised in a zygote
-    (``_fork_safety``), and torch seeds each device's generator from entropy when the rank
+    (``fork_safety``), and torch seeds each device's generator from entropy when the rank
     first uses it, as in a fresh interpreter (``torch.seed()`` would instead queue the CPU
     seed for every device). The string hash seed is fixed when an interpreter starts and
     stays the zygote's: documented, not changeable after start.
@@ -440,7 +469,7 @@ def _fresh_random_state() -> None:
             pass
 
 
-def _become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> None:
+def become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> None:
     """In the forked child: shed the zygote's state, take the rank's pipes, run the rank."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

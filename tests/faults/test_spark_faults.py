@@ -21,6 +21,7 @@ from pyspark.sql import SparkSession
 import nbdist
 from nbdist import job as jobs
 from nbdist import state
+from nbdist.launch import executor_zygote
 
 from ..helpers import GONE_WITHIN_S, is_rank, wait_for
 from ..sparks import marked_rank_processes, spark_job_ids
@@ -112,13 +113,57 @@ def test_cancel_kills_escaped_children_too(spark: rows.Target, tmp_path: Path) -
     rows.cancel_kills_escaped_children(spark, tmp_path)
 
 
-def test_killed_spark_worker_takes_its_rank_along(spark: rows.Target) -> None:
-    """SIGKILL to a rank's Spark Python worker fails the job and no rank process survives."""
+def _pipes(proc: psutil.Process) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("pipe:"):
+            out.add(link)
+    return out
+
+
+def _task_worker(rank_pid: int) -> psutil.Process:
+    """The Spark Python worker running a rank's task: the rank's parent for a fresh rank (its
+    guardian), else (forked from the executor's zygote) the worker holding its pipes."""
+    rank = psutil.Process(rank_pid)
+    parent = rank.parent()
+    if parent is not None and "pyspark" in " ".join(parent.cmdline()):
+        return parent
+    mine = _pipes(rank)
+    for proc in psutil.process_iter():
+        try:
+            if "pyspark" in " ".join(proc.cmdline()) and proc.pid != rank_pid \
+                    and _pipes(proc) & mine:
+                return proc
+        except (psutil.Error, OSError):
+            pass
+    raise AssertionError(f"no Spark worker holds the pipes of rank process {rank_pid}")
+
+
+@pytest.mark.parametrize("zygote", ["fresh", "forked"])
+def test_killed_spark_worker_takes_its_rank_along(
+    spark: rows.Target, zygote: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGKILL to a rank's Spark Python worker fails the job and no rank process survives,
+    whether the rank started fresh or was forked from the executor's zygote."""
+    if zygote == "fresh":
+        monkeypatch.setenv("NBDIST_ZYGOTE", "0")  # the driver's switch, read at each launch
+    else:
+        for _ in range(3):  # the first run leaves the executor's zygote behind
+            warm = rows.job_of(spark, "def f():\n    return 1\n")
+            warm.result(timeout=120)
+            if all("forked" in r.marks for r in warm.state.ranks):
+                break
     job = rows.job_of(spark, HANG)
     wait_for(lambda: all(r.last_line == "up" for r in job.state.ranks), 120, "ranks up")
+    if zygote == "forked":
+        assert all("forked" in r.marks for r in job.state.ranks)
     pids = [r.pid for r in job.state.ranks]
-    worker = psutil.Process(pids[0]).parent()
-    assert worker is not None and "pyspark" in " ".join(worker.cmdline())
+    assert pids[0] is not None
+    worker = _task_worker(pids[0])
     worker.kill()  # what an OOM killer or a lost executor does to the task
     err = rows.failure(job)
     assert "rank 0 of 2 failed" in str(err)
@@ -130,12 +175,13 @@ def test_spark_killing_the_tasks_takes_the_ranks_along(spark: rows.Target) -> No
     """Ranks nbdist cannot tell to stop (no channel) are stopped by Spark killing their tasks."""
     job, _ = rows.misdirected_job(spark, HANG)
 
-    def ranks_up() -> int:  # ranks, each the child of its guardian (also a rank's process)
-        up = 0
+    def ranks_up() -> int:  # ranks: the child of its guardian (also a rank's process), or
+        up = 0               # forked from the executor's zygote
         for p in spark.processes():
             try:
                 parent = p.parent()
-                up += parent is not None and is_rank(parent)
+                up += parent is not None and (
+                    is_rank(parent) or executor_zygote.COMMAND in " ".join(parent.cmdline()))
             except psutil.Error:
                 pass
         return up

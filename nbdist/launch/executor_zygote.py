@@ -1,0 +1,648 @@
+"""Warm ranks on Spark executors: a zygote per executor, owned by the Spark application.
+
+A Spark task's rank would otherwise be a fresh interpreter every time, paying ``import torch``
+(about a second) on every run. The first nbdist task on an executor starts its rank as before
+and, once that rank's code has returned, a zygote that stays behind
+(:meth:`ExecutorZygote.on_mark`): one per executor, Python environment and application,
+importing the job's modules in a thread at nice 19, while the rank's result travels back: it
+never competes with the rank, so the first run is not slowed.
+Later tasks of the same application connect to it over a
+local Unix socket as they begin (overlapping the rendezvous) and ask it for a forked rank
+(:meth:`ExecutorZygote.take`); a task that finds none starts its rank fresh, as before. The
+rules of the local zygote (``zygote.py``) hold: it imports installed packages only, forks only
+with one thread and no CUDA, checks its modules' files at every request (a changed file: it
+forks nothing more and goes), reseeds each rank's generators, and the rank gets the task's
+environment (the socket's name is a hash of it).
+
+Where it lives: ``<tmpdir>/nbdist-<uid>/z-<hash>.sock`` (the directory 0700, ours), the hash
+taking the application's id, the Python, the working directory, the whole environment, the
+installation's stamp and the process attributes. Who may use it: a peer of the same uid
+(``SO_PEERCRED``, both ways) that answers a challenge with HMAC-SHA256 of the application's
+secret (32 random bytes the driver makes per SparkContext and ships in the task's closure).
+One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
+(mac, modules to import) → ``ready``; task → ``fork`` with the rank's four pipes (SCM_RIGHTS)
+→ ``forked``; later ``exit`` with the rank's exit code (the zygote is its parent and guardian).
+
+When it goes: when the executor goes (it watches the executor's JVM and the Python daemon
+that forks Spark's workers, with pidfds: both end with the application, or when the executor
+is killed), when idle for ``idle_s`` (the driver's ``NBDIST_WARM_IDLE_S``) and when a module
+file changed. Its ranks go with it. A lock file held for its whole life makes sure one task
+starts it, not every task of the executor at once.
+
+Linux only; the zygote side imports the standard library and nbdist's rank runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from nbdist.launch.zygote import Forked, import_modules
+from nbdist.rank import RankProcess, RankSpec, new_sync_marker
+from nbdist.timeline import END, EXIT
+
+#: How the zygote is started; the ranks it forks show the same command line.
+COMMAND = "from nbdist.launch.executor_zygote import main; main()"
+#: The longest a task waits for its executor's zygote to answer or finish importing; it then
+#: starts its rank fresh (an import in progress is always nearer its end than a new one).
+WAIT_S = 60.0
+#: At most this many zygotes per executor and uid (each holds its imports: torch ≈ 300 MB);
+#: another environment then starts its ranks fresh until one of them goes.
+MAX_PER_HOST = 2
+#: The longest a rank waits for rank 0 of its job to be forked first on the same zygote.
+FIRST_WAIT_S = 1.0
+#: The nice value of the imports of a zygote started while a job's rank runs beside it.
+LOW_NICE = 19
+_PACKET = 1 << 16
+_CHALLENGE = b"nbdist-executor-zygote:"
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(
+        os, "pidfd_open")
+
+
+def socket_dir() -> str:
+    """``<tmpdir>/nbdist-<uid>``, made 0700 if it is not there; refused if not ours."""
+    base = tempfile.gettempdir()
+    if len(base) > 60:  # a socket's path must fit in 108 bytes (YARN's container tmp does not)
+        base = "/tmp"
+    path = os.path.join(base, f"nbdist-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isdir(path):
+        raise PermissionError(f"{path} is not a private directory of this user")
+    return path
+
+
+def mac(secret: str, nonce: str) -> str:
+    return hmac.new(secret.encode(), _CHALLENGE + nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def key(app: str, spec: RankSpec) -> str:
+    """The hash naming the zygote a rank of ``spec`` may be forked from on this host."""
+    from nbdist.launch.local import installation_stamp, process_attributes
+
+    env = sorted({**os.environ, **spec.env}.items())
+    text = json.dumps([app, spec.python, spec.cwd or os.getcwd(), env,
+                       list(installation_stamp()), repr(process_attributes())])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    import struct
+
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def _ancestors_to_watch() -> list[int]:
+    """This Python worker's parent (Spark's Python daemon, or the executor's JVM when workers
+    are not forked by a daemon) and the JVM above it: the zygote goes when either does."""
+    watch = [os.getppid()]
+    pid = os.getppid()
+    for _ in range(8):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            break
+        if comm == "java":
+            if pid not in watch:
+                watch.append(pid)
+            break
+        pid = int(fields[1])
+        if pid <= 1:
+            break
+    return watch
+
+
+class ExecutorZygote:
+    """A task's handle on its executor's zygote: connect early, fork the rank, or leave one
+    behind. Every failure means "start the rank fresh", never a failed task."""
+
+    def __init__(self, app: str, secret: str, idle_s: float, spec: RankSpec) -> None:
+        self.app, self.secret, self.idle_s, self.spec = app, secret, idle_s, spec
+        self.sock: socket.socket | None = None
+        self.ready_at: float | None = None  # time.time() when it had the job's modules
+        self.forked_at: float | None = None
+        self.why = ""  # why no rank was forked, for the timeline's readers and the tests
+        self._connected = threading.Event()
+        self._path = ""
+        self._thread: threading.Thread | None = None
+        self._rank: Forked | None = None
+        self._modules: list[str] = []
+        #: The pid of the process this task started to become the executor's zygote, if any.
+        self.started: int | None = None
+        self._wanted = False  # none was there: this task starts one once its rank imported
+        self._starting = False
+        self._started = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- connecting ------------------------------------------------------------------------------
+    def connect(self, modules: list[str] | tuple[str, ...]) -> None:
+        """Begin connecting in the background (while the rank says hello and meets the others)."""
+        self._modules = sorted(set(modules))
+        self._thread = threading.Thread(target=self._connect, name="nbdist-executor-zygote",
+                                        daemon=True)
+        self._thread.start()
+
+    def _connect(self) -> None:
+        try:
+            self._path = os.path.join(socket_dir(), f"z-{key(self.app, self.spec)}.sock")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(WAIT_S)
+            try:
+                sock.connect(self._path)
+                if _peer_uid(sock) != os.getuid():
+                    raise PermissionError("the zygote's socket is another user's")
+                challenge = json.loads(sock.recv(_PACKET))
+                sock.send(json.dumps({"t": "hello", "modules": self._modules,
+                                      "mac": mac(self.secret, challenge["nonce"])}).encode())
+                ready = json.loads(sock.recv(_PACKET) or b"{}")
+                if ready.get("t") != "ready" or not ready.get("safe"):
+                    raise OSError(ready.get("why") or "the zygote did not answer")
+            except BaseException:
+                sock.close()
+                raise
+            sock.settimeout(None)
+            self.sock, self.ready_at = sock, time.time()
+        except (FileNotFoundError, ConnectionRefusedError) as exc:  # none here (any more)
+            # This task's rank starts fresh; the zygote for the next ones starts once the
+            # rank has imported its modules (``on_mark``), so that it never competes with them.
+            self.why = f"{type(exc).__name__}: {exc}"
+            self._wanted = True
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.why = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._connected.set()
+
+    # -- forking ---------------------------------------------------------------------------------
+    def take(self, spec: RankSpec, rank0_here: bool = False) -> RankProcess | None:
+        """The rank forked from the executor's zygote, or None (start it fresh). With
+        ``rank0_here`` (rank 0 of the job runs on this host) a rank but 0 is forked after it,
+        or ``FIRST_WAIT_S`` later."""
+        self._connected.wait(WAIT_S)
+        sock = self.sock
+        if sock is None:
+            return None
+        ctl_in_r, ctl_in_w = os.pipe()
+        ctl_out_r, ctl_out_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        theirs = [ctl_in_r, ctl_out_w, out_w, err_w]
+        ours = [ctl_in_w, ctl_out_r, out_r, err_r]
+        sync = new_sync_marker()
+        pid = None
+        try:
+            request = {"t": "fork", "sync": sync, "job": spec.job_id, "rank": spec.rank,
+                       "after_rank0": rank0_here and spec.rank != 0}
+            socket.send_fds(sock, [json.dumps(request).encode()], theirs)
+            sock.settimeout(WAIT_S)
+            answer = json.loads(sock.recv(_PACKET) or b"{}")
+            sock.settimeout(None)
+            if answer.get("t") == "forked" and isinstance(answer.get("pid"), int):
+                pid = answer["pid"]
+        except (OSError, ValueError) as exc:
+            self.why = f"{type(exc).__name__}: {exc}"
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        if pid is None:
+            for fd in ours:
+                os.close(fd)
+            self._close()
+            return None
+        self.forked_at = time.time()
+        proc = self._rank = Forked(pid)
+        threading.Thread(target=self._watch, args=(sock, proc), daemon=True,
+                         name="nbdist-executor-zygote-rank").start()
+        proc.stdout, proc.stderr = open(out_r, "rb"), open(err_r, "rb")
+        return RankProcess.attach(proc, ctl_in_w, ctl_out_r, sync)
+
+    def _watch(self, sock: socket.socket, proc: Forked) -> None:
+        """The rank's exit code, from the zygote; if the zygote is lost first, the rank is
+        stopped (nobody else could tell how it ended)."""
+        code = -signal.SIGKILL
+        try:
+            while data := sock.recv(_PACKET):
+                msg = json.loads(data)
+                if msg.get("t") == "exit" and msg.get("pid") == proc.pid:
+                    code = int(msg["code"])
+                    break
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc._end(code)
+        self._close()
+
+    def _close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            sock.close()
+
+    # -- leaving one behind ----------------------------------------------------------------------
+    def on_mark(self, name: str) -> None:
+        """The supervisor's hook: once this task's fresh rank has done its work (the user's
+        code returned, or the rank ended), start the zygote for the next tasks in the
+        background, its imports at nice 19. Started any earlier, its start and
+        ``import torch`` would compete with the rank's own (a function's imports are in its
+        body) and its work for the CPU, and make the first run slower (measured)."""
+        if name not in (END, EXIT) or not self._wanted:
+            return
+        with self._lock:
+            if self._starting:
+                return
+            self._starting = True
+        threading.Thread(target=self._start_wanted, args=(LOW_NICE,),
+                         name="nbdist-executor-zygote-start", daemon=True).start()
+
+    def _start_wanted(self, nice: int) -> None:
+        self.started = self._start(self._modules, nice)
+        self._started.set()
+
+    def leave_behind(self, modules: list[str]) -> int | None:
+        """After the rank: when no zygote was started for the next tasks yet (the rank never
+        got to its imports; or the zygote there would not fork, e.g. a module of it changed on
+        disk and it went), start one now, importing ``modules`` (what the rank imported) as
+        well; see :meth:`_start`. Returns once the start (a fork and exec) is done."""
+        self._connected.wait(WAIT_S)
+        with self._lock:
+            starting, self._starting = self._starting, True
+        if starting:
+            self._started.wait(WAIT_S)
+            return self.started
+        if self._rank is not None:
+            return None
+        self._modules = sorted(set(modules) | set(self._modules))
+        self._start_wanted(LOW_NICE)
+        return self.started
+
+    def _start(self, modules: list[str], nice: int) -> int | None:
+        """Start the executor's zygote for the next tasks. The pid of the process started (it
+        goes on as the zygote's parent-less grandchild), or None: one is there or starting,
+        or this host has ``MAX_PER_HOST`` already."""
+        if not supported():
+            return None
+        try:
+            directory = socket_dir()
+            path = os.path.join(directory, f"z-{key(self.app, self.spec)}.sock")
+            lock_fd = os.open(path[:-5] + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a zygote of this key lives, or is starting
+            os.close(lock_fd)
+            return None
+        if _live_zygotes(directory, lock_fd) >= MAX_PER_HOST:
+            os.close(lock_fd)
+            return None
+        spec = self.spec
+        config = {"path": path, "secret": self.secret, "idle_s": self.idle_s,
+                  "modules": modules, "nice": nice,
+                  "watch": _ancestors_to_watch(), "lock_fd": lock_fd, "t0": time.time_ns()}
+        try:
+            proc = subprocess.Popen(
+                [spec.python, "-c", COMMAND], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(lock_fd,),
+                start_new_session=True, env={**os.environ, **spec.env}, cwd=spec.cwd,
+            )
+        except OSError:
+            return None
+        finally:
+            os.close(lock_fd)  # the zygote holds it from now on
+        assert proc.stdin is not None
+        with contextlib.suppress(OSError):
+            proc.stdin.write(json.dumps(config).encode())
+            proc.stdin.close()
+        # It forks the zygote and exits at once: reaped here, off the task's path.
+        threading.Thread(target=proc.wait, name="nbdist-executor-zygote-start",
+                         daemon=True).start()
+        return proc.pid
+
+
+def _sweep(directory: str) -> None:
+    """Remove what zygotes killed by SIGKILL left: a socket and a lock file nobody holds."""
+    for name in os.listdir(directory):
+        if not name.endswith(".lock"):
+            continue
+        lock = os.path.join(directory, name)
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live zygote's, or one starting
+            os.close(fd)
+            continue
+        try:
+            for path in (lock[:-5] + ".sock", lock):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        finally:
+            os.close(fd)
+
+
+def _live_zygotes(directory: str, mine: int) -> int:
+    """How many zygotes of this uid live on this host (their lock files are held)."""
+    count = 0
+    mine_ino = os.fstat(mine).st_ino
+    for name in os.listdir(directory):
+        if not name.endswith(".lock"):
+            continue
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_ino == mine_ino:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            count += 1
+        finally:
+            os.close(fd)
+    return count
+
+
+# -- the zygote's side ----------------------------------------------------------------------------
+class _Server:
+    """The zygote's loop: connections, forks, exits, and the reasons to go."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from nbdist.runtime import become_subreaper, module_files
+
+        self.path = str(config["path"])
+        self.secret = str(config["secret"])
+        self.idle_s = float(config["idle_s"])
+        self.lock_fd = int(config["lock_fd"])
+        self.files = module_files({}, int(config["t0"]))
+        self.sel = selectors.PollSelector()
+        self.conns: dict[int, tuple[socket.socket, str, bool]] = {}  # fd: (sock, nonce, authed)
+        self.ranks: dict[int, socket.socket] = {}  # pid: the connection that asked for it
+        #: Jobs whose rank 0 was forked here (the latest few), and forks waiting for theirs.
+        self.rank0: list[str] = []
+        self.deferred: list[tuple[float, int, list[int], dict[str, Any]]] = []
+        self.retiring = False
+        self.idle_since = time.monotonic()
+        self.pidfds: list[int] = []
+        for pid in config.get("watch", []):
+            try:
+                fd = os.pidfd_open(int(pid))
+            except OSError:  # gone already: the executor is going
+                self._exit()
+            self.pidfds.append(fd)
+            self.sel.register(fd, selectors.EVENT_READ, "gone")
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._exit())
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        become_subreaper()
+        # Bound under another name, then renamed: a task never connects to a half-made socket.
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        staging = f"{self.path}.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(staging)
+        self.listener.bind(staging)
+        self.listener.listen(64)
+        os.rename(staging, self.path)
+        self.inode = os.stat(self.path).st_ino
+        self.sel.register(self.listener, selectors.EVENT_READ, "accept")
+        with contextlib.suppress(OSError):
+            _sweep(os.path.dirname(self.path))
+        self.safe, self.why = True, ""
+        self._warm(list(config.get("modules", [])), int(config.get("nice") or 0))
+
+    def _warm(self, modules: list[str], nice: int = 0) -> tuple[bool, str, bool]:
+        """Import what is new of ``modules``; (safe, why, stale)."""
+        from nbdist.launch.zygote import fork_safety
+        from nbdist.runtime import changed_file, module_files
+
+        changed = changed_file(self.files)
+        if changed is not None:
+            self.retiring = True
+            self._unlink()
+            return False, f"{changed} changed on disk since the zygote imported it", True
+        new = [m for m in modules if m not in sys.modules]
+        if new:
+            since = time.time_ns()
+            import_modules(new, nice)
+            self.files.update(module_files(self.files, since))
+        self.safe, self.why = fork_safety()
+        return self.safe, self.why, False
+
+    def serve(self) -> None:
+        self.idle_since = time.monotonic()  # idle from when its first imports are done
+        while True:
+            busy = bool(self.conns or self.ranks)
+            if busy:
+                self.idle_since = time.monotonic()
+            elif self.retiring or time.monotonic() - self.idle_since >= self.idle_s:
+                self._exit()
+            timeout = None if busy else max(0.0, self.idle_s
+                                            - (time.monotonic() - self.idle_since)) + 0.01
+            if self.deferred:
+                due = max(0.0, min(d for d, _, _, _ in self.deferred) - time.monotonic())
+                timeout = due if timeout is None else min(timeout, due)
+            for sel_key, _ in self.sel.select(timeout):
+                what = sel_key.data
+                if what == "gone":  # the executor (or its Python daemon) ended
+                    self._exit()
+                elif what == "wake":
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self.wake_r, 512):
+                            pass
+                    self._reap()
+                elif what == "accept":
+                    self._accept()
+                else:
+                    self._message(what)
+            self._run_deferred()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        if self.retiring or _peer_uid(conn) != os.getuid():
+            conn.close()
+            return
+        nonce = secrets.token_hex(16)
+        try:
+            conn.send(json.dumps({"t": "challenge", "nonce": nonce}).encode())
+        except OSError:
+            conn.close()
+            return
+        self.conns[conn.fileno()] = (conn, nonce, False)
+        self.sel.register(conn, selectors.EVENT_READ, conn.fileno())
+
+    def _drop(self, fd: int) -> None:
+        conn, _, _ = self.conns.pop(fd)
+        self.sel.unregister(conn)
+        conn.close()
+
+    def _message(self, fd: int) -> None:
+        conn, nonce, authed = self.conns[fd]
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, _PACKET, 4)
+        except OSError:
+            data, fds = b"", []
+        try:
+            msg = json.loads(data) if data else None
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict):
+            for extra in fds:
+                os.close(extra)
+            self._drop(fd)
+            return
+        if not authed:
+            for extra in fds:
+                os.close(extra)
+            if msg.get("t") != "hello" or not hmac.compare_digest(
+                    str(msg.get("mac", "")), mac(self.secret, nonce)):
+                self._drop(fd)
+                return
+            self.conns[fd] = (conn, nonce, True)
+            modules = [str(m) for m in msg.get("modules", []) if isinstance(m, str)]
+            safe, why, stale = self._warm(modules)
+            self._answer(conn, {"t": "ready", "safe": safe, "why": why, "stale": stale})
+        elif msg.get("t") == "fork":
+            job = str(msg.get("job", ""))
+            if msg.get("after_rank0") and job not in self.rank0 and len(fds) == 4:
+                self.deferred.append((time.monotonic() + FIRST_WAIT_S, fd, fds, msg))
+                return
+            self._fork_for(fd, fds, msg)
+
+    def _fork_for(self, fd: int, fds: list[int], msg: dict[str, Any]) -> None:
+        """Fork the rank a connection asked for (with its four pipes) and answer it."""
+        entry = self.conns.get(fd)
+        pid = None
+        if entry is not None and self.safe and not self.retiring and len(fds) == 4:
+            pid = self._fork(entry[0], fds, str(msg.get("sync", "")))
+        for extra in fds:
+            os.close(extra)
+        if entry is None:  # it went while its fork waited for rank 0's
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+            return
+        if pid is not None:
+            self.ranks[pid] = entry[0]
+            if msg.get("rank") == 0:
+                self.rank0 = [*self.rank0[-31:], str(msg.get("job", ""))]
+        self._answer(entry[0], {"t": "forked", "pid": pid})
+
+    def _run_deferred(self) -> None:
+        """Forks whose rank 0 was forked meanwhile, or that waited ``FIRST_WAIT_S``."""
+        now = time.monotonic()
+        due = [d for d in self.deferred
+               if d[0] <= now or str(d[3].get("job", "")) in self.rank0]
+        self.deferred = [d for d in self.deferred if d not in due]
+        for _, fd, fds, msg in due:
+            self._fork_for(fd, fds, msg)
+
+    def _answer(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            conn.send(json.dumps(msg).encode())
+
+    def _fork(self, conn: socket.socket, fds: list[int], sync: str) -> int:
+        from nbdist.launch.zygote import become_rank
+
+        pid = os.fork()
+        if pid:
+            return pid
+        try:  # the rank keeps nothing of the zygote's: not its sockets, locks, pidfds
+            for other, _, _ in self.conns.values():
+                if other is not conn:
+                    other.close()
+            self.listener.close()
+            for fd in (*self.pidfds, self.lock_fd):
+                os.close(fd)
+            self.sel.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            become_rank(fds, conn, (self.wake_r, self.wake_w), sync)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        os._exit(70)
+
+    def _reap(self) -> None:
+        from nbdist.runtime import end_orphans
+
+        ended = []
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid in self.ranks:
+                ended.append((pid, os.waitstatus_to_exitcode(status), self.ranks.pop(pid)))
+        end_orphans(keep=frozenset(self.ranks))
+        for pid, code, conn in ended:
+            self._answer(conn, {"t": "exit", "pid": pid, "code": code})
+
+    def _unlink(self) -> None:
+        """Remove the socket's name if it is still this zygote's (a newer one may have it)."""
+        try:
+            if os.stat(self.path).st_ino == self.inode:
+                os.unlink(self.path)
+        except (OSError, AttributeError):
+            pass
+
+    def _exit(self) -> None:
+        """Go, and take the ranks along (they are stopped: whoever started them is gone or
+        never will ask)."""
+        self._unlink()
+        for pid in getattr(self, "ranks", {}):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        lock = self.path[:-5] + ".lock"
+        with contextlib.suppress(OSError):
+            if os.stat(lock).st_ino == os.fstat(self.lock_fd).st_ino:
+                os.unlink(lock)
+        os._exit(0)
+
+
+def main() -> None:
+    config = json.loads(sys.stdin.buffer.read())
+    sys.stdin.close()
+    # Not a child of the Spark worker that started it (which may be reused for years, or die
+    # at once): the intermediate process exits and is reaped there.
+    if os.fork():
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    import nbdist.runtime  # noqa: F401  (what every rank runs, loaded once here)
+
+    _Server(config).serve()
+

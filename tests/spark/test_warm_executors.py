@@ -1,0 +1,171 @@
+"""Warm ranks on Spark executors: a zygote per executor, owned by the application."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from typing import Any
+
+import psutil
+import pytest
+from pyspark.sql import SparkSession
+
+import nbdist
+from nbdist import timeline
+from nbdist.launch import executor_zygote
+
+from ..helpers import wait_for
+from ..sparks import MARK, Sparks
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.skipif(not executor_zygote.supported(), reason="Linux only")]
+
+
+def _rank() -> dict[str, Any]:
+    import os
+    import random
+    import sys
+
+    import torch
+
+    return {"pid": os.getpid(), "ppid": os.getppid(), "rand": torch.rand(1).item(),
+            "py": random.random(), "rank": os.environ["RANK"], "extra": os.environ.get("EXTRA"),
+            "torch_at_start": "torch" in sys.modules}
+
+
+def zygotes(mark: str) -> list[psutil.Process]:
+    """The executor zygotes of this test session, anywhere on the machine."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(MARK) == mark
+                    and executor_zygote.COMMAND in " ".join(proc.cmdline())):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _forked(job: Any) -> list[bool]:
+    return [timeline.FORKED in r.marks for r in job.state.ranks]
+
+
+def _until_forked(np: int, tries: int = 6, **kwargs: Any) -> Any:
+    """Run jobs until one has every rank forked from an executor zygote (the first run starts
+    them; a zygote still importing makes a task wait, never fail)."""
+    for _ in range(tries):
+        job = nbdist.run(_rank, np=np, backend="spark", **kwargs)
+        assert len(job.results) == np
+        if all(_forked(job)):
+            return job
+    raise AssertionError(f"no run of {tries} had all its ranks forked from executor zygotes")
+
+
+def test_later_runs_fork_their_ranks_from_the_executors_zygote(
+    spark_local: SparkSession, spark_mark: str,
+) -> None:
+    """After the first run, ranks are forked from the executor's zygote: fresh random state on
+    every rank and run, the job's environment, and the timeline shows the fork."""
+    first = nbdist.run(_rank, np=2, backend="spark")
+    before = first.results
+    job = _until_forked(2, env={"EXTRA": "x"})
+    results = job.results
+    (zygote,) = [z for z in zygotes(spark_mark) if z.pid == results[0]["ppid"]]
+    assert {r["ppid"] for r in results} == {zygote.pid}
+    assert [r["rank"] for r in results] == ["0", "1"]
+    assert [r["extra"] for r in results] == ["x", "x"]
+    assert all(r["torch_at_start"] for r in results), "torch was not preloaded"
+    draws = [r["rand"] for r in [*before, *results]] + [r["py"] for r in [*before, *results]]
+    assert len(set(draws)) == len(draws), "two ranks drew the same random numbers"
+    again = _until_forked(2, env={"EXTRA": "x"})
+    assert {r["ppid"] for r in again.results} == {zygote.pid}, "the zygote was not reused"
+    assert {r["rand"] for r in again.results}.isdisjoint(r["rand"] for r in results)
+    for rank in job.state.ranks:
+        names = [p.name for p in timeline.phases(rank.rank, rank.marks)]
+        assert "fork from executor zygote" in names
+
+
+def test_a_stranger_without_the_applications_secret_is_refused(
+    spark_local: SparkSession, spark_mark: str,
+) -> None:
+    """A connection that cannot answer the challenge with the application's secret is closed
+    and gets no rank."""
+    _until_forked(2)
+    directory = executor_zygote.socket_dir()
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    paths = [os.path.join(directory, n) for n in os.listdir(directory) if n.endswith(".sock")]
+    tried = 0
+    for path in paths:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+            sock.settimeout(60)
+            try:
+                sock.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):  # one that went meanwhile
+                continue
+            tried += 1
+            challenge = json.loads(sock.recv(1 << 16))
+            wrong = executor_zygote.mac("not the secret", challenge["nonce"])
+            sock.send(json.dumps({"t": "hello", "mac": wrong, "modules": []}).encode())
+            assert sock.recv(1 << 16) == b"", "the zygote answered a wrong MAC"
+    assert tried, f"no live zygote socket among {paths}"
+
+
+def test_an_idle_zygote_goes(
+    spark_local: SparkSession, spark_mark: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An executor zygote nobody asked for a rank for NBDIST_WARM_IDLE_S seconds goes."""
+    for old in zygotes(spark_mark):  # started with the default idle time by earlier tests
+        old.terminate()
+    _none_within(lambda: zygotes(spark_mark), "the earlier tests' zygotes to go")
+    monkeypatch.setenv("NBDIST_WARM_IDLE_S", "5")  # read on the driver at each launch
+    _until_forked(2)
+    (zygote,) = zygotes(spark_mark)
+    wait_for(lambda: not zygote.is_running(), 60, "the idle zygote to go")
+    directory = executor_zygote.socket_dir()
+    assert not [n for n in os.listdir(directory) if n.endswith(".sock")
+                and os.path.exists(os.path.join(directory, n[:-5] + ".lock"))], \
+        "the zygote left its socket behind"
+
+
+def _executor_jvms(mark: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if (proc.environ().get(MARK) == mark
+                    and "CoarseGrainedExecutorBackend" in " ".join(proc.cmdline())):
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _none_within(find: Any, what: str, within: float = 30.0) -> None:
+    wait_for(lambda: not find(), within, what)
+
+
+def test_stopping_the_session_leaves_no_zygote_on_any_worker(
+    spark_cluster: SparkSession, sparks: Sparks, spark_mark: str,
+) -> None:
+    """Stop the SparkSession: no nbdist process remains on any worker."""
+    _until_forked(4)
+    assert len(zygotes(spark_mark)) == 2, "not one zygote per executor"
+    sparks.stop_session()
+    _none_within(lambda: zygotes(spark_mark), "executor zygotes left after the session stopped")
+
+
+def test_killing_the_executors_jvm_takes_its_zygote_along(
+    spark_cluster: SparkSession, sparks: Sparks, spark_mark: str,
+) -> None:
+    """SIGKILL an executor's JVM: its zygote (and any rank of it) goes too."""
+    _until_forked(4)
+    before = {z.pid for z in zygotes(spark_mark)}
+    assert len(before) == 2
+    try:
+        for jvm in _executor_jvms(spark_mark):
+            jvm.send_signal(signal.SIGKILL)
+        _none_within(lambda: [z for z in zygotes(spark_mark) if z.pid in before],
+                     "executor zygotes left after their executor's JVM was killed")
+    finally:
+        sparks.stop_session()  # the next test gets a session with live executors
