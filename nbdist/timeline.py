@@ -109,6 +109,13 @@ def clean(marks: Mapping[str, Any]) -> dict[str, float]:
 
 def phases(rank: int, marks: Mapping[str, float]) -> list[Phase]:
     """The rank's phases, in order (see the module docstring); empty without two marks."""
+    spawned, ready, world = marks.get(SPAWNED), marks.get(READY), marks.get(WORLD)
+    if spawned is not None and ready is not None and ready < spawned \
+            and (world is None or world <= ready):
+        # A rank forked after the rendezvous runs (and stamps ``ready``) before its supervisor
+        # hears the fork's pid and stamps ``spawned``: the fork is when the interpreter was
+        # obtained. (A warm interpreter, ready before the rendezvous, keeps its order.)
+        marks = {**marks, SPAWNED: ready}
     host = sorted(((t, _ORDER[m], m) for m, t in marks.items()
                    if m not in (SUBMITTED, DELIVERED)))
     seq = [(t, m) for t, _, m in host]
