@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-from ..helpers import GONE_WITHIN_S, none_left
+from ..helpers import GONE_WITHIN_S, is_rank, none_left
 from .hosts import Network
 
 #: The workers: two task slots and two fake GPUs each.
@@ -12,14 +12,15 @@ WORKERS = ("wa", "wb", "wc")
 
 
 def rank_processes(network: Network, hosts: tuple[str, ...] = WORKERS) -> list[psutil.Process]:
-    """Rank interpreters (and what they started) on the given hosts."""
+    """Rank interpreters (and what they started) on the given hosts: started fresh, or forked
+    from the executor's zygote (which is not a rank itself: it stays for the next job)."""
     found = []
     for host in hosts:
         for proc in network.processes(host):
             try:
                 if proc.status() == psutil.STATUS_ZOMBIE:
                     continue
-                if any("nbdist.runtime" in " ".join(p.cmdline()) for p in (proc, *proc.parents())):
+                if any(is_rank(p) for p in (proc, *proc.parents())):
                     found.append(proc)
             except psutil.Error:
                 pass
