@@ -1,9 +1,12 @@
 """Simulated hosts: Linux network namespaces on one private bridge.
 
 Each host is a network namespace with a veth whose far end sits on a bridge of this run, its
-own address in ``SUBNET``.0/24, its own host name (``unshare --uts``) and its own
+own address in ``SUBNET``.0/24, its own host name (``unshare --uts``), its own
 ``/etc/hosts`` (``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts``), written the Debian
-way: the host's own name maps to ``127.0.1.1``, the other hosts' names to their addresses.
+way: the host's own name maps to ``127.0.1.1``, the other hosts' names to their addresses,
+and its own temporary directory (``TMPDIR``: real hosts do not share ``/tmp``, and nbdist
+keeps per-host things there, such as its executor zygotes' sockets). Other files are this
+machine's, seen by every host (a shared file system, as a cluster's DBFS or NFS).
 There is no default route and no address on the bridge, and forwarding stays off: the hosts
 reach each other and nothing else, and nothing outside reaches them.
 
@@ -91,6 +94,7 @@ class Network:
             _ip("-n", host.ns, "link", "set", "eth0", "up")
             _ip("-n", host.ns, "link", "set", "lo", "up")
             _ip("link", "set", host.veth, "master", self.bridge, "up")
+            self.tmpdir(name=host.name).mkdir(mode=0o700, exist_ok=True)
             etc = Path("/etc/netns") / host.ns
             etc.mkdir(parents=True, exist_ok=True)
             others = "".join(f"{h.ip} {h.name}\n" for h in self.hosts.values() if h is not host)
@@ -122,7 +126,12 @@ class Network:
         """The command prefix that runs a program on host ``name``, under its host name."""
         host = self.hosts[name]
         return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', host.name]
+                'hostname "$0" && TMPDIR="$1" && export TMPDIR && shift && exec "$@"',
+                host.name, str(self.tmpdir(name))]
+
+    def tmpdir(self, name: str) -> Path:
+        """Host ``name``'s temporary directory (its ``TMPDIR``)."""
+        return Path("/tmp") / f"{PREFIX}{self.id}-{name}.tmp"
 
     def run(self, name: str, argv: list[str], timeout: float = 60) -> str:
         """Run a short command on host ``name``; its stdout (fails on a non-zero exit)."""
@@ -192,4 +201,6 @@ def _teardown(run: str) -> None:
     _ip("link", "del", f"{base}br", check=False)
     for etc in Path("/etc/netns").glob(f"{base}-*"):
         shutil.rmtree(etc, ignore_errors=True)
+    for tmp in Path("/tmp").glob(f"{base}-*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
     (STATE_DIR / f"{run}.pid").unlink(missing_ok=True)
