@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,13 +160,22 @@ kept = 41
     ("BadNotes('boom')", "BadNotes: boom"),
 ])
 def test_an_exception_that_cannot_be_printed_keeps_the_session(
-    ip: Any, live: sessions.Session, raised: str, message: str
+    ip: Any, live: sessions.Session, raised: str, message: str, tmp_path: Path
 ) -> None:
     """An exception whose str, repr or traceback formatting raises fails the cell naming the
     rank and the type; the session and its variables stay."""
     run(ip, UNPRINTABLE)
+    # Rank 1 raises once rank 0 is done with the cell: on a busy machine rank 0 could still
+    # be running, be interrupted, and the message would say so (another test's subject).
+    flag = str(tmp_path / "rank0-done")
     with pytest.raises(DistributedError) as err:
-        run(ip, f"%%distributed\nif rank == 1:\n    raise {raised}\nkept += 1")
+        run(ip, f"%%distributed\n"
+                f"if rank == 1:\n"
+                f"    while not os.path.exists({flag!r}):\n"
+                f"        import time; time.sleep(0.01)\n"
+                f"    raise {raised}\n"
+                f"kept += 1\n"
+                f"open({flag!r}, 'w').close()")
     assert str(err.value).startswith(f"rank 1 of 2 failed: {message}; session {live.id} is "
                                      f"still running")
     assert f"raise {raised}" in err.value.failures[1]  # the user's line, whatever failed
