@@ -27,7 +27,13 @@ The boundaries, and what crosses each (all defined below):
   ``StateEvent``, ...; driver → rank: ``WorldEvent``, ``CellEvent``, ``cancel``, ``pace``,
   ``ping``). What arrives from the network is checked where it is read (``state.JobState.apply``
   ignores what does not fit), so the receiving side takes a plain mapping and the sending side
-  builds these types.
+  builds these types;
+- Spark task → driver, through ``collect()``: how the rank ended, as ``OutcomeFields``.
+
+Two sockets stay inside one module each, both of their ends in it, and are typed there: the
+local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
+``ExitMsg``) and the Spark executor zygote's (``launch/executor_zygote.py``: ``ChallengeMsg``,
+``HelloMsg``, ``ExecutorReadyMsg``, ``ExecutorForkMsg`` and the ``ExecutorConfig`` on its stdin).
 """
 
 from __future__ import annotations
@@ -158,6 +164,26 @@ class ErrorRecord(TypedDict):
     type: str
     message: str
     traceback: str
+
+
+class OutcomeFields(TypedDict, total=False):
+    """How a rank ended, as its Spark barrier task returns it to the driver (pickled, through
+    ``collect()``): the fields of ``rank.RankOutcome`` (``dataclasses.asdict``), or only
+    ``status`` and ``error`` when the task could not run its rank. The driver drops the fields
+    it does not know (an executor with another nbdist; ``launch/spark.py``'s ``_outcome``)."""
+
+    rank: int
+    status: str  # a RankStatus; its word where the executors cannot import nbdist
+    result: bytes | None
+    error: ErrorRecord | None
+    exit_code: int | None
+    pid: int | None
+    tail: list[str]
+    dropped_events: int
+    result_type: str | None
+    lost_lines: int
+    channel_error: str | None
+    lost_host: str | None
 
 
 # -- payloads: what a rank runs -------------------------------------------------------------------

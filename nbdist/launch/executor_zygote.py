@@ -22,6 +22,9 @@ secret (32 random bytes the driver makes per SparkContext and ships in the task'
 One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
 (mac, modules to import) → ``ready``; task → ``fork`` with the rank's four pipes (SCM_RIGHTS)
 → ``forked``; later ``exit`` with the rank's exit code (the zygote is its parent and guardian).
+Both ends are in this module and the messages are typed below (``TaskMsg``, ``ExecutorZygoteMsg``;
+``forked`` and ``exit`` are the local zygote's); the task that starts a zygote gives it an
+``ExecutorConfig`` on its stdin.
 
 When it goes: when the executor goes (it watches the executor's JVM and the Python daemon
 that forks Spark's workers, with pidfds: both end with the application, or when the executor
@@ -49,9 +52,9 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import Literal, TypedDict, cast
 
-from nbdist.launch.zygote import Forked, import_modules
+from nbdist.launch.zygote import ExitMsg, Forked, ForkedMsg, ForkMsg, import_modules
 from nbdist.rank import RankProcess, RankSpec, new_sync_marker
 from nbdist.timeline import END, EXIT
 
@@ -69,6 +72,62 @@ FIRST_WAIT_S = 1.0
 LOW_NICE = 19
 _PACKET = 1 << 16
 _CHALLENGE = b"nbdist-executor-zygote:"
+
+
+# -- the messages on the socket, and the zygote's configuration: both ends are in this module ------
+class ChallengeMsg(TypedDict):
+    """Zygote → task, as it connects: answer with ``mac(secret, nonce)``."""
+
+    t: Literal["challenge"]
+    nonce: str
+
+
+class HelloMsg(TypedDict):
+    """Task → zygote: the answer to the challenge, and the modules its rank will import."""
+
+    t: Literal["hello"]
+    modules: list[str]
+    mac: str
+
+
+class ExecutorReadyMsg(TypedDict):
+    """Zygote → task, for a good ``hello``: the modules are imported; whether it can fork (if
+    not, why); ``stale``: a file of a module it held changed on disk (it forks nothing more)."""
+
+    t: Literal["ready"]
+    safe: bool
+    why: str
+    stale: bool
+
+
+class ExecutorForkMsg(ForkMsg):
+    """Task → zygote, with the rank's four pipes: fork rank ``rank`` of ``job``; with
+    ``after_rank0``, once that job's rank 0 was forked here (or ``FIRST_WAIT_S`` later)."""
+
+    job: str
+    rank: int
+    after_rank0: bool
+
+
+TaskMsg = HelloMsg | ExecutorForkMsg
+ExecutorZygoteMsg = ChallengeMsg | ExecutorReadyMsg | ForkedMsg | ExitMsg
+
+
+class ExecutorConfig(TypedDict):
+    """Task → the zygote it starts, as JSON on its stdin."""
+
+    path: str  # the socket's name
+    secret: str  # the application's (the driver's ``_APP_SECRETS``)
+    idle_s: float
+    modules: list[str]  # to import at once
+    nice: int  # the priority of those imports
+    watch: list[int]  # pids: the zygote goes when any of them ends
+    lock_fd: int  # the lock file it holds for its whole life (inherited)
+    t0: int  # time.time_ns() before it was started: a module file changed later is not trusted
+
+
+def _packet(msg: TaskMsg | ExecutorZygoteMsg) -> bytes:
+    return json.dumps(msg).encode()
 
 
 def supported() -> bool:
@@ -173,10 +232,12 @@ class ExecutorZygote:
                 sock.connect(self._path)
                 if _peer_uid(sock) != os.getuid():
                     raise PermissionError("the zygote's socket is another user's")
-                challenge = json.loads(sock.recv(_PACKET))
-                sock.send(json.dumps({"t": "hello", "modules": self._modules,
-                                      "mac": mac(self.secret, challenge["nonce"])}).encode())
-                ready = json.loads(sock.recv(_PACKET) or b"{}")
+                # What the zygote sends is checked as it is read: a wrong shape raises one of
+                # the errors below, and the rank starts fresh.
+                challenge = cast(ChallengeMsg, json.loads(sock.recv(_PACKET)))
+                sock.send(_packet({"t": "hello", "modules": self._modules,
+                                   "mac": mac(self.secret, challenge["nonce"])}))
+                ready = cast(ExecutorReadyMsg, json.loads(sock.recv(_PACKET) or b"{}"))
                 if ready.get("t") != "ready" or not ready.get("safe"):
                     raise OSError(ready.get("why") or "the zygote did not answer")
             except BaseException:
@@ -212,11 +273,13 @@ class ExecutorZygote:
         sync = new_sync_marker()
         pid = None
         try:
-            request = {"t": "fork", "sync": sync, "job": spec.job_id, "rank": spec.rank,
-                       "after_rank0": rank0_here and spec.rank != 0}
-            socket.send_fds(sock, [json.dumps(request).encode()], theirs)
+            request: ExecutorForkMsg = {
+                "t": "fork", "sync": sync, "job": spec.job_id, "rank": spec.rank,
+                "after_rank0": rank0_here and spec.rank != 0,
+            }
+            socket.send_fds(sock, [_packet(request)], theirs)
             sock.settimeout(WAIT_S)
-            answer = json.loads(sock.recv(_PACKET) or b"{}")
+            answer = cast(ForkedMsg, json.loads(sock.recv(_PACKET) or b"{}"))
             sock.settimeout(None)
             if answer.get("t") == "forked" and isinstance(answer.get("pid"), int):
                 pid = answer["pid"]
@@ -243,7 +306,7 @@ class ExecutorZygote:
         code = -signal.SIGKILL
         try:
             while data := sock.recv(_PACKET):
-                msg = json.loads(data)
+                msg = cast(ExitMsg, json.loads(data))
                 if msg.get("t") == "exit" and msg.get("pid") == proc.pid:
                     code = int(msg["code"])
                     break
@@ -319,7 +382,7 @@ class ExecutorZygote:
             os.close(lock_fd)
             return None
         spec = self.spec
-        config = {"path": path, "secret": self.secret, "idle_s": self.idle_s,
+        config: ExecutorConfig = {"path": path, "secret": self.secret, "idle_s": self.idle_s,
                   "modules": modules, "nice": nice,
                   "watch": _ancestors_to_watch(), "lock_fd": lock_fd, "t0": time.time_ns()}
         try:
@@ -391,7 +454,7 @@ def _live_zygotes(directory: str, mine: int) -> int:
 class _Server:
     """The zygote's loop: connections, forks, exits, and the reasons to go."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: ExecutorConfig) -> None:
         from nbdist.runtime import become_subreaper, module_files
 
         self.path = str(config["path"])
@@ -404,7 +467,7 @@ class _Server:
         self.ranks: dict[int, socket.socket] = {}  # pid: the connection that asked for it
         #: Jobs whose rank 0 was forked here (the latest few), and forks waiting for theirs.
         self.rank0: list[str] = []
-        self.deferred: list[tuple[float, int, list[int], dict[str, Any]]] = []
+        self.deferred: list[tuple[float, int, list[int], ExecutorForkMsg]] = []
         self.retiring = False
         self.idle_since = time.monotonic()
         self.pidfds: list[int] = []
@@ -494,7 +557,7 @@ class _Server:
             return
         nonce = secrets.token_hex(16)
         try:
-            conn.send(json.dumps({"t": "challenge", "nonce": nonce}).encode())
+            conn.send(_packet({"t": "challenge", "nonce": nonce}))
         except OSError:
             conn.close()
             return
@@ -521,25 +584,29 @@ class _Server:
                 os.close(extra)
             self._drop(fd)
             return
+        # A TaskMsg, checked field by field as it is read: the peer is only known to be of
+        # this uid until its hello proves it knows the secret.
         if not authed:
             for extra in fds:
                 os.close(extra)
-            if msg.get("t") != "hello" or not hmac.compare_digest(
-                    str(msg.get("mac", "")), mac(self.secret, nonce)):
+            hello = cast(HelloMsg, msg)
+            if hello.get("t") != "hello" or not hmac.compare_digest(
+                    str(hello.get("mac", "")), mac(self.secret, nonce)):
                 self._drop(fd)
                 return
             self.conns[fd] = (conn, nonce, True)
-            modules = [str(m) for m in msg.get("modules", []) if isinstance(m, str)]
+            modules = [str(m) for m in hello.get("modules", []) if isinstance(m, str)]
             safe, why, stale = self._warm(modules)
             self._answer(conn, {"t": "ready", "safe": safe, "why": why, "stale": stale})
         elif msg.get("t") == "fork":
-            job = str(msg.get("job", ""))
-            if msg.get("after_rank0") and job not in self.rank0 and len(fds) == 4:
-                self.deferred.append((time.monotonic() + FIRST_WAIT_S, fd, fds, msg))
+            fork = cast(ExecutorForkMsg, msg)
+            job = str(fork.get("job", ""))
+            if fork.get("after_rank0") and job not in self.rank0 and len(fds) == 4:
+                self.deferred.append((time.monotonic() + FIRST_WAIT_S, fd, fds, fork))
                 return
-            self._fork_for(fd, fds, msg)
+            self._fork_for(fd, fds, fork)
 
-    def _fork_for(self, fd: int, fds: list[int], msg: dict[str, Any]) -> None:
+    def _fork_for(self, fd: int, fds: list[int], msg: ExecutorForkMsg) -> None:
         """Fork the rank a connection asked for (with its four pipes) and answer it."""
         entry = self.conns.get(fd)
         pid = None
@@ -567,9 +634,9 @@ class _Server:
         for _, fd, fds, msg in due:
             self._fork_for(fd, fds, msg)
 
-    def _answer(self, conn: socket.socket, msg: dict[str, Any]) -> None:
+    def _answer(self, conn: socket.socket, msg: ExecutorZygoteMsg) -> None:
         with contextlib.suppress(OSError):
-            conn.send(json.dumps(msg).encode())
+            conn.send(_packet(msg))
 
     def _fork(self, conn: socket.socket, fds: list[int], sync: str) -> int:
         from nbdist.launch.zygote import become_rank
@@ -633,7 +700,7 @@ class _Server:
 
 
 def main() -> None:
-    config = json.loads(sys.stdin.buffer.read())
+    config = cast(ExecutorConfig, json.loads(sys.stdin.buffer.read()))  # _start wrote it
     sys.stdin.close()
     # Not a child of the Spark worker that started it (which may be reused for years, or die
     # at once): the intermediate process exits and is reaped there.

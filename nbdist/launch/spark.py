@@ -33,12 +33,12 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 from nbdist import events, launch
 from nbdist.errors import CapacityError, LaunchError
 from nbdist.launch import Capacity, LaunchRequest
-from nbdist.protocol import HelloEvent, RankStatus
+from nbdist.protocol import HelloEvent, OutcomeFields, RankStatus
 from nbdist.rank import RankOutcome
 
 #: Executors register a moment after a session starts: in a session younger than
@@ -52,11 +52,11 @@ YOUNG_SESSION_S = 120.0
 #: Python worker within about 4 s more: both inside the 10 s the contract allows.
 CANCEL_GRACE_S = 4.0
 
-_Fields = dict[str, Any]
 #: One secret per Spark application: its executors' zygotes fork ranks only for those who know it.
 _APP_SECRETS: dict[str, str] = {}
 _SECRETS_LOCK = threading.Lock()
-_Task = Callable[[Iterable[Any]], Iterator[tuple[int, _Fields]]]
+#: A barrier task: its rank and how the rank ended.
+_Task = Callable[[Iterable[Any]], Iterator[tuple[int, OutcomeFields]]]
 
 
 def active_session() -> Any:
@@ -352,7 +352,7 @@ class SparkLauncher:
         self, request: LaunchRequest, group: str, task: _Task,
         on_outcome: Callable[[RankOutcome], None],
     ) -> None:
-        rows: list[tuple[int, _Fields]] = []
+        rows: list[tuple[int, OutcomeFields]] = []
         error: BaseException | None = None
         try:
             sc = self._sc
@@ -491,10 +491,12 @@ def unguard_stop_button() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _outcome(rank: int, fields: _Fields) -> RankOutcome:
+def _outcome(rank: int, fields: OutcomeFields) -> RankOutcome:
     """A RankOutcome from a task's fields; fields this nbdist does not know are dropped."""
     known = {f.name for f in dataclasses.fields(RankOutcome)}
-    kept = {k: v for k, v in fields.items() if k in known and k != "rank"}
+    # Another nbdist's executor may send fields OutcomeFields does not list: what it sends
+    # is whatever pickle made of it, so every field is kept only by name.
+    kept: dict[str, Any] = {k: v for k, v in fields.items() if k in known and k != "rank"}
     kept["status"] = RankStatus(kept.get("status", RankStatus.FAILED))  # its word, pickled
     return RankOutcome(rank, **kept)
 
@@ -540,7 +542,7 @@ def _barrier_task(request: LaunchRequest, version: str,
     session, heartbeat_timeout = request.session, request.heartbeat_timeout
     modules = request.modules
 
-    def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, _Fields]]:
+    def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, OutcomeFields]]:
         import time
 
         scheduled = time.time()  # the launch timeline's ``scheduled``: the task began
@@ -575,7 +577,7 @@ def run_task(
     payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
     session: bool = False, heartbeat_timeout: float | None = None, scheduled: float = 0.0,
     warm: tuple[str, str, float] | None = None, modules: tuple[str, ...] = (),
-) -> _Fields:
+) -> OutcomeFields:
     """Run one rank inside its barrier task with the shared supervisor; its outcome as fields.
 
     With ``warm`` (the application's id, secret and idle time) the rank is forked from the
@@ -622,7 +624,7 @@ def run_task(
             "type": type(exc).__name__, "traceback": traceback.format_exc(),
             "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
         })
-    return dataclasses.asdict(outcome)
+    return cast(OutcomeFields, dataclasses.asdict(outcome))  # tests/test_protocol.py: same fields
 
 
 def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,

@@ -17,7 +17,8 @@ and control pipes (passed over the zygote's socket with SCM_RIGHTS), default sig
 and its own random state (``_fresh_random_state``).
 
 The driver talks to the zygote over a ``SOCK_SEQPACKET`` socket pair, one JSON object per
-packet. Driver → zygote: ``{"t": "warm", "modules": [...]}``, answered by ``ready`` (which says
+packet (typed below: ``DriverMsg``, ``ZygoteMsg``). Driver → zygote: ``{"t": "warm",
+"modules": [...]}``, answered by ``ready`` (which says
 ``stale`` when a file of a module it imported changed on disk since: it then forks nothing
 more and the pool replaces it);
 ``{"t": "fork"}`` with four descriptors, answered by ``forked`` with the pid. Zygote → driver:
@@ -44,7 +45,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import IO, Any
+from typing import IO, Literal, TypedDict, cast
 
 from nbdist.rank import RankProcess, new_sync_marker
 from nbdist.runtime import (
@@ -61,6 +62,58 @@ COMMAND = "from nbdist.launch.zygote import main; main()"
 #: How long a fork may take before the rank is started fresh instead (it takes milliseconds).
 FORK_TIMEOUT_S = 10.0
 _PACKET = 1 << 16
+
+
+# -- the messages on the socket: both ends are in this module --------------------------------------
+class WarmMsg(TypedDict):
+    """Driver → zygote: import what is new of ``modules`` (at ``nice`` > 0: at that priority),
+    and check the files of what it holds."""
+
+    t: Literal["warm"]
+    modules: list[str]
+    nice: int
+
+
+class ForkMsg(TypedDict):
+    """Driver → zygote, with the rank's four pipes (SCM_RIGHTS): fork a rank; ``sync`` is the
+    marker it writes before its first output (``rank.new_sync_marker``)."""
+
+    t: Literal["fork"]
+    sync: str
+
+
+class ReadyMsg(TypedDict):
+    """Zygote → driver, for each ``warm``: what it imported; whether it can fork (if not, why);
+    ``stale``: a file of a module it held changed on disk (it forks nothing more)."""
+
+    t: Literal["ready"]
+    modules: list[str]
+    safe: bool
+    why: str
+    stale: bool
+
+
+class ForkedMsg(TypedDict):
+    """Zygote → driver, for each ``fork``: the rank's pid, or None when it did not fork."""
+
+    t: Literal["forked"]
+    pid: int | None
+
+
+class ExitMsg(TypedDict):
+    """Zygote → driver: a rank it forked ended with ``code`` (``os.waitstatus_to_exitcode``)."""
+
+    t: Literal["exit"]
+    pid: int
+    code: int
+
+
+DriverMsg = WarmMsg | ForkMsg
+ZygoteMsg = ReadyMsg | ForkedMsg | ExitMsg
+
+
+def _packet(msg: DriverMsg | ZygoteMsg) -> bytes:
+    return json.dumps(msg).encode()
 
 
 class Forked:
@@ -203,10 +256,10 @@ class Zygote:
             return sum(p.returncode is None for p in self._ranks.values())
 
     # -- the connection ------------------------------------------------------------------------
-    def _send(self, msg: dict[str, Any], fds: list[int] | None = None) -> bool:
+    def _send(self, msg: DriverMsg, fds: list[int] | None = None) -> bool:
         try:
             with self._send_lock:
-                socket.send_fds(self._sock, [json.dumps(msg).encode()], fds or [])
+                socket.send_fds(self._sock, [_packet(msg)], fds or [])
         except OSError:
             return False
         return True
@@ -223,20 +276,25 @@ class Zygote:
                 msg = json.loads(data)
             except ValueError:  # not from our zygote's code: stop trusting it
                 break
+            # A ZygoteMsg: each field is checked as it is read (the zygote runs the same code,
+            # but what it sends is only trusted as far as these checks go).
             kind = msg.get("t") if isinstance(msg, dict) else None
             if kind == "forked":
-                pid = msg.get("pid")
+                forked = cast(ForkedMsg, msg)
+                pid = forked.get("pid")
                 if isinstance(pid, int):
                     with self._cond:
                         self._ranks[pid] = Forked(pid)
                 self._forks.put(pid if isinstance(pid, int) else None)
             elif kind == "exit":
-                self._exited(int(msg["pid"]), int(msg["code"]))
+                ended = cast(ExitMsg, msg)
+                self._exited(int(ended["pid"]), int(ended["code"]))
             elif kind == "ready":
+                ready = cast(ReadyMsg, msg)
                 with self._cond:
-                    self.modules.update(msg.get("modules", ()))
-                    self.safe, self.why = bool(msg.get("safe")), str(msg.get("why", ""))
-                    self.stale = self.stale or bool(msg.get("stale"))
+                    self.modules.update(ready.get("modules", ()))
+                    self.safe, self.why = bool(ready.get("safe")), str(ready.get("why", ""))
+                    self.stale = self.stale or bool(ready.get("stale"))
                     self._answered += 1
                     self._cond.notify_all()
         self._lost()
@@ -313,27 +371,29 @@ def main() -> None:
         data, fds, _, _ = socket.recv_fds(sock, _PACKET, 4)
         if not data:
             os._exit(0)  # the driver is gone
-        msg = json.loads(data)
+        msg = json.loads(data)  # a DriverMsg: the driver runs this module's code
         if msg.get("t") == "warm":
+            warm = cast(WarmMsg, msg)
             changed = changed_file(files)
             if changed is None:
                 since = time.time_ns()
-                imported = import_modules(msg.get("modules", []), int(msg.get("nice") or 0))
+                imported = import_modules(warm.get("modules", []), int(warm.get("nice") or 0))
                 files.update(module_files(files, since))
                 safe, why = fork_safety()
             else:  # no more imports nor forks: the pool replaces it
                 imported = []
                 safe, why = False, f"{changed} changed on disk since the zygote imported it"
-            sock.send(json.dumps({"t": "ready", "modules": imported, "safe": safe,
-                                  "why": why, "stale": changed is not None}).encode())
+            sock.send(_packet({"t": "ready", "modules": imported, "safe": safe, "why": why,
+                               "stale": changed is not None}))
         elif msg.get("t") == "fork":
+            fork = cast(ForkMsg, msg)
             ok = safe and len(fds) == 4
-            pid = _fork(fds, sock, (wake_r, wake_w), str(msg.get("sync", ""))) if ok else None
+            pid = _fork(fds, sock, (wake_r, wake_w), str(fork.get("sync", ""))) if ok else None
             if pid is not None:
                 ranks.add(pid)
             for fd in fds:
                 os.close(fd)
-            sock.send(json.dumps({"t": "forked", "pid": pid}).encode())
+            sock.send(_packet({"t": "forked", "pid": pid}))
 
 
 def _reap(sock: socket.socket, ranks: set[int]) -> None:
@@ -356,7 +416,7 @@ def _reap(sock: socket.socket, ranks: set[int]) -> None:
             ended.append((pid, os.waitstatus_to_exitcode(status)))
     end_orphans(keep=frozenset(ranks))
     for pid, code in ended:
-        sock.send(json.dumps({"t": "exit", "pid": pid, "code": code}).encode())
+        sock.send(_packet({"t": "exit", "pid": pid, "code": code}))
 
 
 def _installed(name: str, dirs: list[str]) -> bool:
