@@ -125,7 +125,7 @@ class Cluster:
         )
         script.chmod(0o755)
         work = self.workdir / f"worker{i}"
-        work.mkdir()
+        work.mkdir(exist_ok=True)  # a worker started again after kill_worker
         self._run(
             f"worker{i}", host,
             ["org.apache.spark.deploy.worker.Worker", "--host", host, "--webui-port", "0",
@@ -135,6 +135,18 @@ class Cluster:
             f"-Dspark.worker.resource.gpu.discoveryScript={script}",
         )
         self.launched.add(i)
+
+    def kill_worker(self, i: int) -> None:
+        """SIGKILL worker ``i`` with its executors, as a lost host: no shutdown hook runs."""
+        name = f"worker{i}"
+        for entry in [e for e in self.procs if e[0] == name]:
+            try:
+                os.killpg(entry[1].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            entry[1].wait(timeout=20)
+            self.procs.remove(entry)
+        self.launched.discard(i)
 
     def _run(self, name: str, host: str, args: list[str], **env: str) -> None:
         with open(self.workdir / f"{name}.log", "wb") as log:
@@ -244,6 +256,15 @@ class Sparks:
         if self.cluster is None:
             self.cluster = Cluster(self.workdir, self.env)
             self.cluster.launch()
+
+    def restore_worker(self, i: int) -> None:
+        """Start worker ``i`` again (after :meth:`Cluster.kill_worker`) and wait until the
+        standalone session has all its executors back."""
+        assert self.cluster is not None and self.kind == "standalone" and self.session
+        if i not in self.cluster.launched:
+            self.cluster.launch_worker(i)
+        self.cluster.wait()
+        _wait_executors(self.session, len(WORKERS))
 
     def stop_session(self) -> None:
         if self.session is not None:

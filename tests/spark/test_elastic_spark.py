@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -14,7 +15,7 @@ import nbdist
 from nbdist import state
 
 from ..helpers import wait_for
-from ..sparks import MARK
+from ..sparks import MARK, WORKERS, Sparks
 from ..test_elastic import trainer
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
@@ -80,3 +81,71 @@ def test_killed_executor_restarts_the_job_to_the_same_parameters(
     assert last.cause == "done" and job.state.status == state.DONE
     texts = [line.text for line in job.state.merged]
     assert "attempt 0 from step 0" in texts and f"attempt {last.number - 1} from step 10" in texts
+
+
+def _held(ready: str) -> Any:
+    """Every rank of the first attempt waits to be killed (rank 1 says so in ``ready``);
+    later attempts return their restart count."""
+
+    def f() -> int:
+        import os
+        import time
+
+        count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        if count == 0:
+            if os.environ["RANK"] == "1":
+                with open(ready + ".tmp", "w") as out:
+                    out.write("running")
+                os.replace(ready + ".tmp", ready)
+            while True:
+                time.sleep(0.05)
+        return count
+
+    return f
+
+
+def test_lost_worker_waits_for_its_slots_then_gives_up_or_runs(
+    spark_cluster: SparkSession, sparks: Sparks, tmp_path: Path,
+) -> None:
+    """A worker SIGKILLed with its executor (a lost host): the restart waits, showing
+    "waiting for 4 slots, 2 free" live; with a short --capacity-wait it then fails naming the
+    bound and the slots, and with a longer one it runs once the worker is back."""
+    cluster = sparks.cluster
+    assert cluster is not None
+    try:
+        # 1. The slots do not come back within --capacity-wait 3: a clear failure.
+        ready = tmp_path / "ready1"
+        job = nbdist.run(_held(str(ready)), np=4, max_restarts=1, capacity_wait=3)
+        wait_for(ready.exists, 300, "the ranks to run")
+        lost = _worker_of(job.state.ranks[1].host)
+        cluster.kill_worker(lost)
+        with pytest.raises(nbdist.DistributedError) as info:
+            job.result(timeout=300)
+        message = str(info.value)
+        assert f"job {job.id} could not restart" in message, message
+        assert "did not have the slots for 4 ranks within 3 s (--capacity-wait)" in message
+        assert "restarted (rule 'lost host')" in message, message
+        assert job.state.status == state.FAILED
+
+        # 2. The worker comes back while the restart waits: the job runs on it.
+        sparks.restore_worker(lost)
+        ready = tmp_path / "ready2"
+        job = nbdist.run(_held(str(ready)), np=4, max_restarts=1, capacity_wait=300)
+        wait_for(ready.exists, 300, "the ranks to run")
+        lost = _worker_of(job.state.ranks[1].host)
+        cluster.kill_worker(lost)
+        wait_for(lambda: "waiting for 4 slots, 2 free" in job.state.note, 120,
+                 f"the live capacity wait (note: {job.state.note!r})")
+        assert "of --capacity-wait 300" in job.state.note
+        sparks.restore_worker(lost)
+        assert job.result(timeout=300) == 1
+        assert [a.verdict for a in job.attempts][0] == "restarted (rule 'lost host')"
+        assert job.state.status == state.DONE
+    finally:
+        for i in range(len(WORKERS)):
+            sparks.restore_worker(i)  # the next tests get the whole cluster
+
+
+def _worker_of(host: str | None) -> int:
+    """The index in WORKERS of the worker at ``host`` (a rank's host)."""
+    return [w[0] for w in WORKERS].index(host)
