@@ -14,9 +14,11 @@ with one thread and no CUDA, checks its modules' files at every request (a chang
 forks nothing more and goes), reseeds each rank's generators, and the rank gets the task's
 environment (the socket's name is a hash of it).
 
-Where it lives: ``<tmpdir>/nbdist-<uid>/z-<hash>.sock`` (the directory 0700, ours), the hash
-taking the application's id, the Python, the working directory, the whole environment, the
-installation's stamp and the process attributes. Who may use it: a peer of the same uid
+Where it lives: ``<tmpdir>/nbdist-<uid>/z-<jvm>-<hash>.sock`` (the directory 0700, ours),
+``<jvm>`` the pid of the executor's JVM (so that two executors on one host never share a
+zygote, and the cap counts per executor), the hash taking the application's id, the
+Python, the working directory, the whole environment, the installation's stamp and the
+process attributes. Who may use it: a peer of the same uid
 (``SO_PEERCRED``, both ways) that answers a challenge with HMAC-SHA256 of the application's
 secret (32 random bytes the driver makes per SparkContext and ships in the task's closure).
 One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
@@ -65,7 +67,7 @@ COMMAND = "from nbdist.launch.executor_zygote import main; main()"
 WAIT_S = 60.0
 #: At most this many zygotes per executor and uid (each holds its imports: torch ≈ 300 MB);
 #: another environment then starts its ranks fresh until one of them goes.
-MAX_PER_HOST = 2
+MAX_PER_EXECUTOR = 2
 #: The longest a rank waits for rank 0 of its job to be forked first on the same zygote.
 FIRST_WAIT_S = 1.0
 #: The nice value of the imports of a zygote started while a job's rank runs beside it.
@@ -153,6 +155,17 @@ def mac(secret: str, nonce: str) -> str:
     return hmac.new(secret.encode(), _CHALLENGE + nonce.encode(), hashlib.sha256).hexdigest()
 
 
+def socket_path(directory: str, app: str, spec: RankSpec) -> str:
+    """Where the zygote of this executor for a rank of ``spec`` listens."""
+    return os.path.join(directory, f"{_executor_prefix()}{key(app, spec)}.sock")
+
+
+def _executor_prefix() -> str:
+    """``z-<pid>-``: the start of the file names of this executor's zygotes, ``<pid>`` its
+    JVM's (the Python daemon's when no JVM is found above this worker)."""
+    return f"z-{_ancestors_to_watch()[-1]}-"
+
+
 def key(app: str, spec: RankSpec) -> str:
     """The hash naming the zygote a rank of ``spec`` may be forked from on this host."""
     from nbdist.launch.local import installation_stamp, process_attributes
@@ -225,7 +238,7 @@ class ExecutorZygote:
 
     def _connect(self) -> None:
         try:
-            self._path = os.path.join(socket_dir(), f"z-{key(self.app, self.spec)}.sock")
+            self._path = socket_path(socket_dir(), self.app, self.spec)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             sock.settimeout(WAIT_S)
             try:
@@ -364,12 +377,12 @@ class ExecutorZygote:
     def _start(self, modules: list[str], nice: int) -> int | None:
         """Start the executor's zygote for the next tasks. The pid of the process started (it
         goes on as the zygote's parent-less grandchild), or None: one is there or starting,
-        or this host has ``MAX_PER_HOST`` already."""
+        or this executor has ``MAX_PER_EXECUTOR`` already."""
         if not supported():
             return None
         try:
             directory = socket_dir()
-            path = os.path.join(directory, f"z-{key(self.app, self.spec)}.sock")
+            path = socket_path(directory, self.app, self.spec)
             lock_fd = os.open(path[:-5] + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError:
             return None
@@ -378,7 +391,7 @@ class ExecutorZygote:
         except OSError:  # held: a zygote of this key lives, or is starting
             os.close(lock_fd)
             return None
-        if _live_zygotes(directory, lock_fd) >= MAX_PER_HOST:
+        if _live_zygotes(directory, lock_fd, _executor_prefix()) >= MAX_PER_EXECUTOR:
             os.close(lock_fd)
             return None
         spec = self.spec
@@ -428,12 +441,13 @@ def _sweep(directory: str) -> None:
             os.close(fd)
 
 
-def _live_zygotes(directory: str, mine: int) -> int:
-    """How many zygotes of this uid live on this host (their lock files are held)."""
+def _live_zygotes(directory: str, mine: int, prefix: str) -> int:
+    """How many zygotes of this uid and executor (file names from ``prefix``) live: their lock
+    files are held."""
     count = 0
     mine_ino = os.fstat(mine).st_ino
     for name in os.listdir(directory):
-        if not name.endswith(".lock"):
+        if not (name.startswith(prefix) and name.endswith(".lock")):
             continue
         try:
             fd = os.open(os.path.join(directory, name), os.O_RDONLY)

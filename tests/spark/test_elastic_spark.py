@@ -148,4 +148,5 @@ def test_lost_worker_waits_for_its_slots_then_gives_up_or_runs(
 
 def _worker_of(host: str | None) -> int:
     """The index in WORKERS of the worker at ``host`` (a rank's host)."""
+    assert host is not None
     return [w[0] for w in WORKERS].index(host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Any
 
@@ -10,6 +11,7 @@ from pyspark.sql import SparkSession
 
 import nbdist
 from nbdist import state
+from nbdist.launch import executor_zygote
 
 from ..sparks import WORKERS, spark_job_ids
 
@@ -105,3 +107,30 @@ def test_dynamic_allocation_is_explained_not_waited_on(spark_cluster: SparkSessi
     message = str(info.value)
     assert "spark.dynamicAllocation.enabled=true" in message
     assert "cannot run barrier stages" in message and "-np -2 for 2 local ranks" in message
+
+
+@pytest.mark.skipif(not executor_zygote.supported(), reason="Linux only")
+def test_two_executors_on_one_machine_each_get_their_own_zygote(
+    spark_cluster: SparkSession, spark_mark: str,
+) -> None:
+    """The two workers share this machine's /tmp: each executor still gets its own zygote,
+    named by its JVM's pid, and forks the ranks of its own tasks (none crosses executors)."""
+    from .test_warm_executors import _executor_jvms, _until_forked, zygotes
+
+    job = _until_forked(4)
+    jvms = {}  # executor JVM pid -> its host
+    for proc in _executor_jvms(spark_mark):
+        cmd = proc.cmdline()
+        jvms[proc.pid] = cmd[cmd.index("--hostname") + 1]
+    owner: dict[int, int] = {}  # zygote pid -> the executor JVM its files are named by
+    for zygote in zygotes(spark_mark):
+        for held in zygote.open_files():  # its lock file, held for its whole life
+            name = os.path.basename(held.path)
+            if name.startswith("z-") and name.endswith(".lock"):
+                owner[zygote.pid] = int(name.split("-")[1])
+    assert set(owner.values()) == set(jvms), (owner, jvms)
+    assert len(set(jvms.values())) == len(WORKERS)
+    for rank, result in zip(job.state.ranks, job.results, strict=True):
+        assert jvms[owner[result["ppid"]]] == rank.host, \
+            f"rank {rank.rank} on {rank.host} was forked by another executor's zygote"
+
