@@ -44,7 +44,7 @@ from nbdist.protocol import (
     read_frame,
     write_frame,
 )
-from nbdist.rank_cells import SessionCells
+from nbdist.rank_cells import JobWork, RankWork, SessionCells
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
@@ -314,9 +314,9 @@ class Supervisor:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
-        #: A session's cells (``nbdist.rank_cells``); None for a job's rank.
-        self._cells = SessionCells(spec.secret, self._send, self._rank_rss) if spec.session \
-            else None
+        #: What the rank runs: all that differs between a job's rank and a session's.
+        self._work: RankWork = (SessionCells(spec.secret, self._send, self._rank_rss)
+                                if spec.session else JobWork(spec.payload))
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
@@ -334,8 +334,8 @@ class Supervisor:
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
-        elif self._cells is not None:
-            self._cells.on_message(msg, self._rp)
+        else:
+            self._work.on_message(msg, self._rp)
 
     def world(self) -> dict[str, str]:
         """The rank's environment from the rendezvous (empty before it)."""
@@ -382,8 +382,7 @@ class Supervisor:
                 f"rank {spec.rank} on {spec.host} cannot reach the driver's event server at "
                 f"{spec.driver[0]}:{spec.driver[1]}: {type(exc).__name__}: {exc}"
             )
-            # A session's cells come over the channel: without it there is nothing to run.
-            if self._gather is None or spec.session:
+            if self._gather is None or self._work.needs_channel:
                 return RankOutcome(
                     spec.rank, RankStatus.FAILED, channel_error=self._channel_error, error={
                         "type": "ConnectionError", "traceback": "",
@@ -511,8 +510,7 @@ class Supervisor:
             spec.rank, RankStatus.FAILED, result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
         )
-        quit_asked = self._cells is not None and self._cells.quitting
-        if self._result is not None or (quit_asked and code == 0):
+        if self._result is not None or (self._work.quitting and code == 0):
             # The value was delivered and output flushed: a crash after that (torch's teardown
             # abort) does not make the rank a failure. A session's rank ends on ``quit``.
             outcome.status = RankStatus.DONE
@@ -548,11 +546,7 @@ class Supervisor:
         # The environment also travels as a frame: a warm interpreter was started before the
         # rendezvous and sets it itself before running anything of the user's.
         env = json.dumps({"env": {**spec.env, **world}, "cwd": spec.cwd}).encode()
-        if spec.session:
-            rp.send(Frame.ENV, env)  # cells follow from the driver (_session_message)
-        elif not (rp.send(Frame.ENV, env) and rp.send(Frame.PAYLOAD, spec.payload)
-                  and rp.send(Frame.QUIT, b"")):
-            pass  # the rank died at start-up; its exit status and stderr will say why
+        self._work.begin(rp, env)
         self._ctl_thread = threading.Thread(
             target=self._read_control, args=(rp,), daemon=True
         )
@@ -597,9 +591,10 @@ class Supervisor:
         spec = self.spec
         timeout = spec.heartbeat_timeout
         last = time.monotonic()
-        while not ended.wait(DRIVER_CHECK_S if spec.session or timeout else HEARTBEAT_S):
+        watch = self._work.ends_with_driver
+        while not ended.wait(DRIVER_CHECK_S if watch or timeout else HEARTBEAT_S):
             client = self._client
-            if spec.session and (client is None or not client.alive):
+            if watch and (client is None or not client.alive):
                 self.cancel()
                 return
             if timeout and client is not None and client.alive:
@@ -635,18 +630,17 @@ class Supervisor:
                     continue
                 if event.get("t") == "result":
                     self._result_type = str(event.get("type"))
-                    if self._cells is not None:
-                        self._cells.value(event, self._result_type)
+                    self._work.value(event, self._result_type)
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._send(event)  # the interpreter's: progress, metrics, its state
             elif kind == Frame.PIECE:
-                if self._cells is not None:
-                    self._cells.piece(body)
+                self._work.piece(body)
                 rp.piece_done()
-            elif self._cells is not None and kind in (Frame.RESULT, Frame.ERROR):
-                self._cells.ended(kind, body, self._result_type)
+            elif kind in (Frame.RESULT, Frame.ERROR) and \
+                    self._work.ended(kind, body, self._result_type):
+                pass  # a session cell's end, sent to the driver
             elif kind == Frame.RESULT:
                 self._result = body
                 self.mark(timeline.RESULT)
@@ -669,10 +663,9 @@ class Supervisor:
         """
         fd = pipe.fileno()
         _grow_pipe(fd)
-        cells, rp = self._cells, self._rp
+        work, rp = self._work, self._rp
         marker = rp.sync_marker if rp is not None else ""
-        batcher = LineBatcher(
-            None if cells is None else lambda text: cells.strip_sync(marker, text))
+        batcher = LineBatcher(lambda text: work.strip_sync(marker, text))
         stopping = False  # the supervisor said stop: one more read of what is there
         # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
         # pipe descriptors above select's FD_SETSIZE, which it refuses.
@@ -697,11 +690,11 @@ class Supervisor:
                         if not data:
                             break
                         chunks, marks = batcher.feed(data, time.monotonic())
-                        if marks and cells is not None:
+                        if marks:
                             # A session cell ended: what it printed goes now, then its value.
                             for chunk in chunks:
                                 self._emit(stream, chunk)
-                            cells.synced(stream, marks)
+                            work.synced(stream, marks)
                             continue
                 for chunk in batcher.take(time.monotonic()):
                     self._emit(stream, chunk)

@@ -1,11 +1,16 @@
-"""A session rank's cells, on its supervisor: what ``rank.Supervisor`` does only for a session.
+"""What a rank runs, on its supervisor: a job's payload, or a session's cells.
 
-A session's rank starts without a payload; the driver sends each cell on the event channel
-(``{"t": "cell"}``), and this object forwards it to the interpreter, interrupts it, or ends the
-session (``quit``). When a cell ends, the interpreter writes a sync marker on stdout and stderr
-before its value or error: the cell's value or error goes to the driver only once the output
-before the markers did (``SYNC_WAIT_S`` at most), so the notebook shows them in order. A value
-comes in pieces, signed as they pass (``nbdist.values``), its signature last.
+``rank.Supervisor`` holds one ``RankWork`` and asks it everything that differs between a job's
+rank and a session's (``JobWork``, ``SessionCells``); it never asks which of the two it has.
+
+A job's rank gets its payload with its environment at start and nothing more from the driver;
+its value or error is the rank's outcome. A session's rank starts without a payload; the
+driver sends each cell on the event channel (``{"t": "cell"}``), and ``SessionCells`` forwards
+it to the interpreter, interrupts it, or ends the session (``quit``). When a cell ends, the
+interpreter writes a sync marker on stdout and stderr before its value or error: the cell's
+value or error goes to the driver only once the output before the markers did
+(``SYNC_WAIT_S`` at most), so the notebook shows them in order. A value comes in pieces, signed
+as they pass (``nbdist.values``), its signature last.
 
 Standard library only: this runs on ranks' hosts.
 """
@@ -33,8 +38,79 @@ class _Interpreter(Protocol):
     def send(self, kind: int, body: bytes) -> bool: ...
 
 
+class RankWork(Protocol):
+    """What ``rank.Supervisor`` asks of the work its rank runs."""
+
+    #: Without the event channel there is nothing to run (a session's cells come over it).
+    needs_channel: bool
+    #: The rank goes when its connection to the driver closes (a session: the kernel stopped).
+    ends_with_driver: bool
+    #: The driver said ``quit``: the rank's exit with code 0 is its normal end.
+    quitting: bool
+
+    def begin(self, rank: _Interpreter, env: bytes) -> None:
+        """Give the new interpreter its environment frame, and its code if it has it now."""
+
+    def on_message(self, msg: Mapping[str, Any], rank: _Interpreter | None) -> None:
+        """A driver message the supervisor does not handle itself."""
+
+    def strip_sync(self, marker: str, text: str) -> tuple[str, int]:
+        """``text`` without the rank's sync markers, and how many there were."""
+
+    def synced(self, stream: str, marks: int) -> None:
+        """``stream``'s output up to ``marks`` more sync markers went to the driver."""
+
+    def value(self, event: Mapping[str, Any], result_type: str | None) -> None:
+        """The interpreter announced a value (its pieces follow)."""
+
+    def piece(self, piece: bytes) -> None:
+        """A piece of the announced value."""
+
+    def ended(self, kind: int, body: bytes, result_type: str | None) -> bool:
+        """A RESULT or ERROR frame: True when it was a cell's (sent here), False when it is
+        the rank's outcome (the supervisor keeps it)."""
+
+
+class JobWork:
+    """A job's rank: the payload travels with the environment at start, then QUIT, so the
+    interpreter ends after it; its value or error is the rank's outcome."""
+
+    needs_channel = False
+    ends_with_driver = False
+    quitting = False
+
+    def __init__(self, payload: bytes) -> None:
+        self._payload = payload
+
+    def begin(self, rank: _Interpreter, env: bytes) -> None:
+        # A send fails when the rank died at start-up: its exit status and stderr say why.
+        if rank.send(Frame.ENV, env) and rank.send(Frame.PAYLOAD, self._payload):
+            rank.send(Frame.QUIT, b"")
+
+    def on_message(self, msg: Mapping[str, Any], rank: _Interpreter | None) -> None:
+        pass  # a job's rank takes only ``world`` and ``cancel``, which the supervisor handles
+
+    def strip_sync(self, marker: str, text: str) -> tuple[str, int]:
+        return text, 0  # only a session cell's end writes sync markers
+
+    def synced(self, stream: str, marks: int) -> None:
+        pass
+
+    def value(self, event: Mapping[str, Any], result_type: str | None) -> None:
+        pass  # the value comes whole, in the RESULT frame
+
+    def piece(self, piece: bytes) -> None:
+        pass
+
+    def ended(self, kind: int, body: bytes, result_type: str | None) -> bool:
+        return False
+
+
 class SessionCells:
     """The cells of one session rank; ``send`` sends an event to the driver."""
+
+    needs_channel = True
+    ends_with_driver = True
 
     def __init__(self, secret: str, send: Callable[[RankEvent], None],
                  rss: Callable[[], int | None]) -> None:
@@ -42,12 +118,14 @@ class SessionCells:
         self._send = send
         self._rss = rss  # the rank's memory, sent with each cell's end (%dist_session)
         self._cell: int | None = None  # the cell running now
-        #: The driver said ``quit``: the rank's exit with code 0 is its normal end.
-        self.quitting = False
+        self.quitting = False  # see RankWork
         self._synced = {"o": 0, "e": 0}  # sync markers each stream has shown
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
         self._signer: Any = None  # the running HMAC of the value being forwarded
+
+    def begin(self, rank: _Interpreter, env: bytes) -> None:
+        rank.send(Frame.ENV, env)  # the cells follow from the driver (on_message)
 
     # -- from the driver -----------------------------------------------------------------------
     def on_message(self, msg: Mapping[str, Any], rank: _Interpreter | None) -> None:
@@ -66,14 +144,11 @@ class SessionCells:
             rank.send(Frame.QUIT, b"")
 
     # -- from the interpreter's output ---------------------------------------------------------
-    @staticmethod
-    def strip_sync(marker: str, text: str) -> tuple[str, int]:
-        """``text`` without the rank's sync markers, and how many there were."""
+    def strip_sync(self, marker: str, text: str) -> tuple[str, int]:
         marks = text.count(marker) if marker else 0
         return (text.replace(marker, ""), marks) if marks else (text, 0)
 
     def synced(self, stream: str, marks: int) -> None:
-        """``stream``'s output up to ``marks`` more sync markers went to the driver."""
         with self._sync_cond:
             self._synced[stream] += marks
             self._sync_cond.notify_all()
@@ -98,7 +173,7 @@ class SessionCells:
             self._signer.update(piece)
             self._send({"t": "cell_data", "cell": self._cell, "data": piece})
 
-    def ended(self, kind: int, body: bytes, result_type: str | None) -> None:
+    def ended(self, kind: int, body: bytes, result_type: str | None) -> bool:
         """Send the end of a cell to the driver: its error, or its value's signature (after
         the value's pieces)."""
         cell, self._cell = self._cell, None
@@ -114,3 +189,4 @@ class SessionCells:
         else:
             self._send({"t": "cell_result", "cell": cell, "type": result_type,
                         "mac": signer.hexdigest(), "rss": rss})
+        return True
