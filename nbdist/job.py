@@ -249,8 +249,9 @@ class Job:
         # the user's --env wins.
         self._env = {**tracking.run_env(), **dict(env or {})}
         # Variables given at the rendezvous only (an attempt of a job that restarts: its
-        # restart count): they must not key the local backend's warm ranks. Remote ranks may
-        # plan their world without the driver (rank.py), so they also get them at launch.
+        # restart count): they must not key the local backend's warm ranks. Ranks that plan
+        # their world without the driver (rank.py) get them with the launch request; remote
+        # ranks get them in their environment at launch too.
         self._world_env = dict(world_env or {})
         #: Logs rank 0's reported metrics into that run (``--mlflow``), else None.
         self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
@@ -292,7 +293,7 @@ class Job:
             payload=body, gpu=self.gpu, env={
                 **self._env, **(payload_env(payload) if payload else {}),
                 **(self._world_env if launcher.remote else {})},
-            run_id=self.run_id,
+            run_id=self.run_id, world_env=self._world_env,
             modules=payload_modules(payload) if payload else (), session=session,
             heartbeat_timeout=self._heartbeat,
         )

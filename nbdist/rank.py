@@ -218,6 +218,9 @@ class RankSpec:
     python: str = sys.executable
     rendezvous_timeout: float = 300.0
     run_id: str = ""  # TORCHELASTIC_RUN_ID, for a world planned without the driver
+    #: What the driver's rendezvous adds to the environment (``LaunchRequest.world_env``),
+    #: for a world planned without the driver.
+    world_env: dict[str, str] = field(default_factory=dict)
     #: A persistent session's rank (``%dist_session``): no payload at start; cells arrive from
     #: the driver over the event channel, one after another, until it says ``quit``.
     session: bool = False
@@ -449,11 +452,12 @@ class Supervisor:
         try:
             hellos = gather({**hello, "rank": spec.rank})
             # spec.env: the job's --env (which wins, as on the driver) and the PYTHONPATH the
-            # backend adds, which the rank gets anyway.
+            # backend adds, which the rank gets anyway; spec.world_env: what the driver's
+            # rendezvous adds (a restart's count).
             envs = plan_world(
                 {r: Hello.from_event(r, h) for r, h in enumerate(hellos)}, spec.world_size,
                 spec.run_id or spec.job_id, spec.job_id, use_gpus=bool(spec.gpus),
-                user_env=spec.env,
+                user_env={**spec.env, **spec.world_env},
             )
         except Exception as exc:  # the backend's own error (a Spark barrier failure, ...)
             self._gather_error = f"{type(exc).__name__}: {exc}"

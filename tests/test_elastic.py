@@ -363,6 +363,43 @@ def test_environment_and_checkpoint_dir(tmp_path: Path) -> None:
     assert plain.result()[3] == str(tmp_path / "p")
 
 
+def test_a_restart_without_the_event_channel_still_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ranks that cannot reach the driver's event server plan their world through the
+    backend (rank.py's fallback rendezvous): the second attempt still sees its restart count,
+    run id and checkpoint directory, which reach local ranks at the rendezvous only."""
+    from nbdist.errors import OutputLostWarning
+    from nbdist.launch.local import LocalLauncher
+
+    from .faults.rows import Misdirected
+
+    class Unreachable(Misdirected):  # made again for each attempt, like any launcher
+        def __init__(self) -> None:
+            super().__init__(LocalLauncher())
+
+    monkeypatch.setattr(nbdist.job, "choose_launcher", lambda np, backend: (Unreachable(), np))
+
+    def f() -> tuple[str, ...]:
+        import os
+        import signal
+
+        import nbdist
+
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["TORCHELASTIC_RUN_ID"],
+                nbdist.checkpoint_dir())
+
+    job = nbdist.run(f, np=2, max_restarts=1, checkpoint_dir=str(tmp_path / "ck"))
+    with pytest.warns(OutputLostWarning):
+        results = job.result(timeout=120) and job.results
+    assert results == [("1", job.run_id, str(tmp_path / "ck"))] * 2
+    first, second = job.attempts
+    assert first.verdict == "restarted (rule 'signal')", first.verdict
+    assert second.cause == "done"
+
+
 def test_checkpoint_dir_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a chosen path: under the working directory, by notebook (or function) and
     run id; on a rank with nothing set, by TORCHELASTIC_RUN_ID."""

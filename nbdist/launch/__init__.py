@@ -109,6 +109,11 @@ class LaunchRequest:
     gpu: bool
     env: dict[str, str] = field(default_factory=dict)
     run_id: str = ""  # TORCHELASTIC_RUN_ID, for ranks that plan their world without the driver
+    #: What the rendezvous adds to every rank's environment (a restart's count, its
+    #: checkpoint directory), for ranks that plan their world without the driver. Not part
+    #: of ``env``, which keys the local backend's warm ranks (a remote backend's ``env`` has
+    #: them too).
+    world_env: dict[str, str] = field(default_factory=dict)
     modules: tuple[str, ...] = ()  # what the payload imports, known before it runs (warm-up)
     session: bool = False  # ranks of a persistent session: cells arrive over the channel
     #: Seconds without a word from the driver after which a rank stops (None: never).

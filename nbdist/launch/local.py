@@ -474,7 +474,7 @@ class LocalLauncher:
                 template, rank=rank, world_size=request.np, job_id=request.job_id,
                 secret=request.secret, driver=request.driver, payload=request.payload,
                 gpus=(gpus[rank],) if gpus else (), run_id=request.run_id,
-                session=request.session,
+                world_env=request.world_env, session=request.session,
             )
             for rank in range(request.np)
         ]
