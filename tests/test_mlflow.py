@@ -45,7 +45,9 @@ def test_rank_0_logs_into_the_notebooks_active_run(notebook_run: Any) -> None:
     """The ranks get the run's MLFLOW_* variables; mlflow.log_metric on rank 0 lands in it,
     and the run stays the notebook's, running."""
     job = nbdist.run(_log_on_rank_0, np=2, backend="local")
-    envs = job.results if job.result(timeout=150) is not None else []
+    job.result(timeout=150)
+    envs = job.results
+    assert len(envs) == 2
     info = notebook_run.info
     for env in envs:
         assert env["MLFLOW_RUN_ID"] == info.run_id

@@ -51,6 +51,13 @@ def test_rows_show_state_progress_metrics_and_last_line() -> None:
     assert "ETA 0:15" in row.info.value
     assert "loss=0.1235" in row.info.value and "step 25 done" in row.info.value
     assert panel.rows[0].bar.value == 0.0
+    assert "CPU" not in row.info.value  # no sample yet: nothing shown
+    job.apply(1, {"t": "res", "cpu": 187.5, "rss": 1_250_000_000,
+                  "gpus": [{"id": "0", "util": 93, "mem": 31_500_000_000,
+                            "total": 85_000_000_000}]})
+    panel.render()
+    row = panel.rows[1]
+    assert "CPU 188% · RSS 1.2 GB · GPU0 93% 31.5/85.0 GB" in row.info.value
     assert "nbdist-rank-1" in row.box._dom_classes
     assert "nbdist job j77" in panel.header.value and "2 running" in panel.header.value
 

@@ -115,10 +115,13 @@ def test_sampler_counts_the_cpu_and_memory_of_the_whole_process_tree() -> None:
 
         wait_for(busy, 20, "the child's memory and CPU in a sample")
         assert "gpus" not in samples[-1]  # no devices asked for: no GPU fields
-        # A device asked for where NVML is not there (no pynvml, or no driver): no GPU fields
-        # either, and no error.
+        # A device asked for: its fields where NVML has it; where NVML is not there (no
+        # pynvml, or no driver), no GPU fields either, and no error.
         gpus = resources._Gpus(("0",))
-        assert "gpus" not in sampler.sample(gpus) or gpus.handles
+        if gpus.handles:  # an NVIDIA GPU and its driver: its fields are there
+            assert "gpus" in sampler.sample(gpus)
+        else:
+            assert "gpus" not in sampler.sample(gpus)
         gpus.close()
     finally:
         for child in psutil.Process(proc.pid).children(recursive=True):  # before it is orphaned

@@ -60,6 +60,8 @@ def test_the_off_switches_start_nothing(reload, monkeypatch, ip, how):
     else:
         ip.run_line_magic("config", "DistMagics.warm_at_load = False")
     reload()
+    # warm_at_load sets pool.preloading before it returns, when it starts anything at all.
+    assert local.pool.preloading is None, "a zygote was being started at load"
     assert local.pool.pids() == []
 
 

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 import nbdist
+from nbdist import timeline
+from nbdist.launch import local
 
 from .. import hostile
 
@@ -37,12 +39,14 @@ def _printer(lines: int) -> int:
     return int(os.environ["RANK"])
 
 
-@pytest.mark.parametrize("zygote", ["1", "0"])
+@pytest.mark.parametrize("zygote", [True, False])
 def test_a_job_that_prints_works_from_a_kernel_holding_1100_files(
-    open_files: list[int], zygote: str, monkeypatch: pytest.MonkeyPatch
+    open_files: list[int], zygote: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With 1100 files open in the kernel, a job's ranks print, and every line arrives."""
-    monkeypatch.setenv("NBDIST_ZYGOTE", zygote)
+    """With 1100 files open in the kernel, a job's ranks print, and every line arrives, from
+    the zygote and from fresh interpreters (NBDIST_ZYGOTE is read at import: set here)."""
+    monkeypatch.setattr(local, "ZYGOTE", zygote and local.ZYGOTE)
+    local.pool.clear()
     probe = os.open(os.devnull, os.O_RDONLY)
     os.close(probe)
     assert probe > 1024  # the job's pipes and sockets get numbers above select's limit
@@ -50,5 +54,6 @@ def test_a_job_that_prints_works_from_a_kernel_holding_1100_files(
     assert job.results == [0, 1]
     assert job.lost_output is None
     for r in job.state.ranks:
+        assert zygote or timeline.FORKED not in r.marks, "a rank was forked from a zygote"
         assert r.lines == 501, (r.rank, r.lines)
         assert r.last_line in ("line 499", "to stderr")

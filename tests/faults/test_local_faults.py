@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -74,6 +75,45 @@ def test_a_child_in_its_own_session_dies_with_a_rank_that_died_at_once(
     # The supervisor read the rank's pipes to their end: no pump is left waiting on them.
     wait_for(lambda: not [t for t in threading.enumerate() if t.name.endswith("(_pump)")],
              10, "the output pumps to end")
+
+
+def _hand_over_stdout(path: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        socket.send_fds(s, [b"x"], [1, 2])  # the rank's stdout and stderr pipes
+    print("handed over", flush=True)
+    return 7
+
+
+def test_pipes_held_by_a_process_out_of_reach_do_not_hold_the_job(tmp_path: Path) -> None:
+    """A process nbdist cannot kill (here: the test itself, given the rank's stdout and
+    stderr over a Unix socket) holds the rank's pipes open after the rank ended: the
+    supervisor reads on for PUMP_GRACE_S, then stops; the job ends with its result and the
+    rank's output, and no pump thread is left."""
+    import socket
+
+    from nbdist.rank import PUMP_GRACE_S
+
+    path = str(tmp_path / "s")
+    held: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen()
+        job = nbdist.run(_hand_over_stdout, path, np=1, backend="local")
+        conn, _ = server.accept()
+        with conn:
+            _, held, _, _ = socket.recv_fds(conn, 1, 2)
+    try:
+        assert len(held) == 2
+        assert job.result(timeout=60 + PUMP_GRACE_S) == 7  # without the grace: never
+        assert job.state.ranks[0].last_line == "handed over"
+        wait_for(lambda: not [t for t in threading.enumerate() if t.name.endswith("(_pump)")],
+                 10, "the output pumps to end")
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def test_cancel_kills_escaped_children_too(tmp_path: Path) -> None:
