@@ -290,6 +290,13 @@ class DistMagics(Magics):
                 raise TraitError(str(exc)) from None
         return value  # type: ignore[no-any-return]
 
+    @validate("capacity_wait")
+    def _valid_capacity_wait(self, proposal: Any) -> float:
+        value = proposal["value"]
+        if value < 0:
+            raise TraitError(f"DistMagics.capacity_wait must be 0 or more seconds, not {value:g}")
+        return value  # type: ignore[no-any-return]
+
     @validate("driver_port")
     def _valid_port(self, proposal: Any) -> int | None:
         value = proposal["value"]

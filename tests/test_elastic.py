@@ -4,6 +4,7 @@ outside, the capacity wait, and the usage errors of the magics."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -90,6 +91,7 @@ def test_state_through_attempts_keeps_logs_and_resets_ranks() -> None:
     assert "attempt 2 of 3" in panel.header.value
     table = status.ranks_table(job)
     assert "1 of 3   j10" in table and "restarted (rule 'signal')" in table
+    assert re.search(r"1 of 3 +j10 +\d+\.\d s +rank 1 was killed by SIGKILL", table), table
     assert "2 of 3   j11" in table and "running" in table
     assert "running, attempt 2 of 3" in status.jobs_table([job])
     job.close(state.DONE)
@@ -393,7 +395,8 @@ def test_a_restart_without_the_event_channel_still_counts(
 
     job = nbdist.run(f, np=2, max_restarts=1, checkpoint_dir=str(tmp_path / "ck"))
     with pytest.warns(OutputLostWarning):
-        results = job.result(timeout=120) and job.results
+        job.result(timeout=120)
+        results = job.results
     assert results == [("1", job.run_id, str(tmp_path / "ck"))] * 2
     first, second = job.attempts
     assert first.verdict == "restarted (rule 'signal')", first.verdict
@@ -418,6 +421,29 @@ def test_checkpoint_dir_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 # -- the magics ----------------------------------------------------------------------------------
+def test_config_settings_reach_the_next_job(ip: Any, tmp_path: Path) -> None:
+    """%config DistMagics.capacity_wait and .checkpoint_root are what a job that restarts
+    uses when the cell gives none; a negative wait is refused naming the setting."""
+    from traitlets import TraitError
+
+    assert elastic.settings.capacity_wait == elastic.CAPACITY_WAIT_S == 300
+    try:
+        ip.run_line_magic("config", "DistMagics.capacity_wait = 7")
+        ip.run_line_magic("config", f"DistMagics.checkpoint_root = {str(tmp_path)!r}")
+        job = nbdist.run(_fails_first("none"), np=1, backend="local", max_restarts=2)
+        assert job.result(timeout=120) == 0
+        assert job.capacity_wait == 7
+        assert job.checkpoint_dir.startswith(str(tmp_path) + os.sep), job.checkpoint_dir
+        magics = ip.magics_manager.registry["DistMagics"]  # %config shows the error, this raises
+        with pytest.raises(TraitError, match="capacity_wait must be 0 or more seconds, not -1"):
+            magics.capacity_wait = -1
+        assert elastic.settings.capacity_wait == 7
+    finally:
+        ip.run_line_magic("config", f"DistMagics.capacity_wait = {elastic.CAPACITY_WAIT_S}")
+        ip.run_line_magic("config", "DistMagics.checkpoint_root = ''")
+    assert elastic.settings.checkpoint_root == ""
+
+
 def test_usage_errors(ip: Any, no_session: None) -> None:
     """--max-restarts with a session, without -np, or its companions alone: usage errors."""
     with pytest.raises(UsageError, match="--restart-on-error applies to a job that restarts"):

@@ -16,7 +16,7 @@ from nbdist import state
 
 from ..helpers import wait_for
 from ..sparks import MARK, WORKERS, Sparks
-from ..test_elastic import trainer
+from ..test_elastic import _fails_first, trainer
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.usefixtures("no_leftover_spark_ranks")]
@@ -81,6 +81,25 @@ def test_killed_executor_restarts_the_job_to_the_same_parameters(
     assert last.cause == "done" and job.state.status == state.DONE
     texts = [line.text for line in job.state.merged]
     assert "attempt 0 from step 0" in texts and f"attempt {last.number - 1} from step 10" in texts
+
+
+def test_a_bug_is_not_restarted_on_spark_unless_asked(spark_cluster: SparkSession) -> None:
+    """The same exception on every rank of a barrier stage: no restart, the error names the
+    rule; with restart_on_error the next stage runs, its ranks seeing
+    TORCHELASTIC_RESTART_COUNT=1 and TORCHELASTIC_MAX_RESTARTS=2."""
+    job = nbdist.run(_fails_first("raise"), np=4, max_restarts=2)
+    with pytest.raises(nbdist.DistributedError) as info:
+        job.result(timeout=300)
+    message = str(info.value)
+    assert job.state.backend == "spark"
+    assert "attempt 1 of 3 failed and was not restarted: rule 'same exception'" in message
+    assert "ValueError: the same bug on every rank" in message
+    assert len(job.attempts) == 1
+
+    job = nbdist.run(_fails_first("raise"), np=4, max_restarts=2, restart_on_error=True)
+    assert job.result(timeout=300) == 1
+    assert job.results == [1, 1, 1, 1]
+    assert [a.verdict for a in job.attempts] == ["restarted (rule 'same exception')", ""]
 
 
 def _held(ready: str) -> Any:
