@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -17,7 +18,7 @@ from nbdist import timeline
 from nbdist.launch import executor_zygote
 
 from ..helpers import wait_for
-from ..sparks import MARK, Sparks
+from ..sparks import MARK, Sparks, marked_rank_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(not executor_zygote.supported(), reason="Linux only")]
@@ -148,24 +149,49 @@ def _none_within(find: Any, what: str, within: float = 30.0) -> None:
 def test_stopping_the_session_leaves_no_zygote_on_any_worker(
     spark_cluster: SparkSession, sparks: Sparks, spark_mark: str,
 ) -> None:
-    """Stop the SparkSession: no nbdist process remains on any worker."""
+    """Stop the SparkSession: no nbdist process (zygote, rank) remains on any worker."""
     _until_forked(4)
     assert len(zygotes(spark_mark)) == 2, "not one zygote per executor"
     sparks.stop_session()
-    _none_within(lambda: zygotes(spark_mark), "executor zygotes left after the session stopped")
+    _none_within(lambda: zygotes(spark_mark) + marked_rank_processes(spark_mark),
+                 "nbdist processes left after the session stopped")
+
+
+def _sleeper(ready: str) -> Any:
+    def f() -> None:
+        import os
+        import time
+
+        with open(f"{ready}.{os.environ['RANK']}", "w"):
+            pass
+        time.sleep(600)
+
+    return f
 
 
 def test_killing_the_executors_jvm_takes_its_zygote_along(
-    spark_cluster: SparkSession, sparks: Sparks, spark_mark: str,
+    spark_cluster: SparkSession, sparks: Sparks, spark_mark: str, tmp_path: Path,
 ) -> None:
-    """SIGKILL an executor's JVM: its zygote (and any rank of it) goes too."""
+    """SIGKILL the executors' JVMs while ranks forked from their zygotes run: the zygotes
+    and the ranks go too, and the job fails naming the lost executors."""
     _until_forked(4)
     before = {z.pid for z in zygotes(spark_mark)}
     assert len(before) == 2
     try:
+        job = nbdist.run(_sleeper(str(tmp_path / "ready")), np=4)
+        wait_for(lambda: len(list(tmp_path.glob("ready.*"))) == 4, 120, "the ranks to run")
+        ranks = marked_rank_processes(spark_mark)
+        assert len(ranks) >= 4, ranks
+        assert any(p.ppid() in before for p in ranks), "no rank was forked from a zygote"
         for jvm in _executor_jvms(spark_mark):
             jvm.send_signal(signal.SIGKILL)
-        _none_within(lambda: [z for z in zygotes(spark_mark) if z.pid in before],
-                     "executor zygotes left after their executor's JVM was killed")
+
+        def left() -> list[psutil.Process]:
+            return [z for z in zygotes(spark_mark) if z.pid in before] + [
+                p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+        _none_within(left, "zygotes or ranks left after their executor's JVM was killed")
+        with pytest.raises(nbdist.DistributedError, match="executor"):
+            job.result(timeout=300)
     finally:
         sparks.stop_session()  # the next test gets a session with live executors
