@@ -78,3 +78,25 @@ def test_spark_session_class_and_notebook_logging_reach_the_ranks(
         live = sessions.current()
         if live is not None and live.alive:
             live.stop()
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+@pytest.mark.parametrize("zygote", ["1", "0"], ids=["executor zygote", "NBDIST_ZYGOTE=0"])
+def test_a_child_forked_during_a_flood_on_a_spark_rank_repeats_nothing(
+    spark_local: SparkSession, how: str, zygote: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The local test's fork after 20,000 buffered lines, on a Spark rank (forked from the
+    executor's zygote, or fresh): every line arrives exactly once, in order."""
+    import nbdist
+    from nbdist import state
+
+    from ..test_run import print_then_fork
+
+    monkeypatch.setenv("NBDIST_ZYGOTE", zygote)  # read by the Spark backend at each launch
+    monkeypatch.setattr(state, "LOG_LINES", 250_000)  # keep every line to compare them all
+    job = nbdist.run(print_then_fork, how, np=1, backend="spark", timeout=200)
+    n = job.result(timeout=210)
+    assert n >= 20_000, "the rank's stdout was not block-buffered when it forked"
+    r = job.state.ranks[0]
+    assert [line.text for line in r.log] == [f"p {i}" for i in range(n)] + ["child",
+                                                                             "parent done"]
