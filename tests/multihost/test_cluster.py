@@ -362,12 +362,22 @@ def test_driver_behind_a_port_forwarder(
         # Every rank's channel went through the forwarder (nat is no address of the driver).
         relayed = _log_lines(log, 5, 30)[1:]
         assert len(relayed) == 4 and all(line.startswith("relaying") for line in relayed)
+        # The same through the environment variables (a cluster's init script), for a session.
+        kernel.execute("%config DistMagics.driver_host = ''\n"
+                       "%config DistMagics.driver_port = None\n"
+                       "import os as _mh_os\n"
+                       "_mh_os.environ['NBDIST_DRIVER_HOST'] = 'nat'\n"
+                       f"_mh_os.environ['NBDIST_DRIVER_PORT'] = '{port}'")
         kernel.execute("%dist_session start -np 2", timeout=300)
         kernel.execute("%%distributed -o ranks\nimport os\nint(os.environ['RANK'])")
         assert kernel.value("ranks") == [0, 1]
+        relayed = _log_lines(log, 7, 30)[1:]
+        assert len(relayed) == 6 and all(line.startswith("relaying") for line in relayed)
         kernel.execute("%dist_session stop", timeout=120)
     finally:
-        kernel.execute("%config DistMagics.driver_host = ''\n%config DistMagics.driver_port = None")
+        kernel.execute("%config DistMagics.driver_host = ''\n%config DistMagics.driver_port = None\n"
+                       "import os as _mh_os\n_mh_os.environ.pop('NBDIST_DRIVER_HOST', None)\n"
+                       "_mh_os.environ.pop('NBDIST_DRIVER_PORT', None)")
         os.killpg(forward.pid, signal.SIGKILL)
         forward.wait()
 
