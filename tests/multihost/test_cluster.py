@@ -375,7 +375,8 @@ def test_driver_behind_a_port_forwarder(
         assert len(relayed) == 6 and all(line.startswith("relaying") for line in relayed)
         kernel.execute("%dist_session stop", timeout=120)
     finally:
-        kernel.execute("%config DistMagics.driver_host = ''\n%config DistMagics.driver_port = None\n"
+        kernel.execute("%config DistMagics.driver_host = ''\n"
+                       "%config DistMagics.driver_port = None\n"
                        "import os as _mh_os\n_mh_os.environ.pop('NBDIST_DRIVER_HOST', None)\n"
                        "_mh_os.environ.pop('NBDIST_DRIVER_PORT', None)")
         os.killpg(forward.pid, signal.SIGKILL)
