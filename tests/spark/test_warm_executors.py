@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +54,11 @@ def _forked(job: Any) -> list[bool]:
     return [timeline.FORKED in r.marks for r in job.state.ranks]
 
 
-def _until_forked(np: int, tries: int = 6, **kwargs: Any) -> Any:
-    """Run jobs until one has every rank forked from an executor zygote (the first run starts
-    them; a zygote still importing makes a task wait, never fail)."""
+def _until_forked(np: int, tries: int = 6, fn: Any = _rank, **kwargs: Any) -> Any:
+    """Run ``fn`` until a job has every rank forked from an executor zygote (the first run
+    starts them; a zygote still importing makes a task wait, never fail)."""
     for _ in range(tries):
-        job = nbdist.run(_rank, np=np, backend="spark", **kwargs)
+        job = nbdist.run(fn, np=np, backend="spark", **kwargs)
         assert len(job.results) == np
         if all(_forked(job)):
             return job
@@ -86,6 +87,41 @@ def test_later_runs_fork_their_ranks_from_the_executors_zygote(
     for rank in job.state.ranks:
         names = [p.name for p in timeline.phases(rank.rank, rank.marks)]
         assert "fork from executor zygote" in names
+
+
+def test_an_installed_module_edited_between_runs_is_never_stale_on_an_executor(
+    spark_local: SparkSession, spark_mark: str,
+) -> None:
+    """A module in site-packages that the executor's zygote preloaded, edited in place (what a
+    pip install on the executors does): the next run has the edit, and later runs are forked
+    from a new zygote that has it."""
+    from ..test_warm_pool import _edit
+
+    def value() -> dict[str, object]:
+        import os
+
+        import nbdist_sitemod_spark  # type: ignore[import-not-found]
+        import torch  # noqa: F401  (so that the zygote has something worth keeping)
+
+        return {"value": nbdist_sitemod_spark.VALUE, "parent": os.getppid()}
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    module = site / "nbdist_sitemod_spark.py"
+    module.write_text("VALUE = 1\n")
+    try:
+        first = _until_forked(2, fn=value).results
+        assert [r["value"] for r in first] == [1, 1]
+        _edit(module, "VALUE = 22\n")
+        second = nbdist.run(value, np=2, backend="spark").results
+        assert [r["value"] for r in second] == [22, 22]
+        third = _until_forked(2, fn=value).results
+        assert [r["value"] for r in third] == [22, 22]
+        assert {r["parent"] for r in third}.isdisjoint(r["parent"] for r in first), \
+            "a rank was forked from the stale zygote"
+    finally:
+        module.unlink()
+        for cached in site.glob("__pycache__/nbdist_sitemod_spark.*"):
+            cached.unlink()
 
 
 def test_a_stranger_without_the_applications_secret_is_refused(
