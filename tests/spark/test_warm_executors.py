@@ -84,6 +84,10 @@ def test_later_runs_fork_their_ranks_from_the_executors_zygote(
     again = _until_forked(2, env={"EXTRA": "x"})
     assert {r["ppid"] for r in again.results} == {zygote.pid}, "the zygote was not reused"
     assert {r["rand"] for r in again.results}.isdisjoint(r["rand"] for r in results)
+    # Another environment: its own zygote, never the one holding EXTRA=x.
+    plain = _until_forked(2).results
+    assert [r["extra"] for r in plain] == [None, None]
+    assert zygote.pid not in {r["ppid"] for r in plain}, "forked from another env's zygote"
     for rank in job.state.ranks:
         names = [p.name for p in timeline.phases(rank.rank, rank.marks)]
         assert "fork from executor zygote" in names
