@@ -365,10 +365,10 @@ class MarksEvent(TypedDict):
 
 
 class HeartbeatEvent(TypedDict, total=False):
-    """A supervisor is alive (every ``HEARTBEAT_S``), with the rank's memory."""
+    """A supervisor is alive (every ``HEARTBEAT_S``). The rank's memory comes with its
+    resources samples (``ResourcesEvent``), taken more often."""
 
     t: Literal["hb"]
-    rss: int | None
 
 
 class GpuSample(TypedDict, total=False):

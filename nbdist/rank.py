@@ -612,7 +612,7 @@ class Supervisor:
                     return
             if time.monotonic() - last >= HEARTBEAT_S:
                 last = time.monotonic()
-                self._send({"t": "hb", "rss": self._rank_rss()})
+                self._send({"t": "hb"})
 
     def _read_control(self, rp: RankProcess) -> None:
         while (frame := rp.frames.get()) is not None:

@@ -122,7 +122,8 @@ class Session:
         self._stopping = False
         self.broken: str | None = None
         self.names: dict[int, set[str]] = {}  # rank → names its cells defined
-        self.rss: dict[int, int] = {}  # rank → resident memory at its last heartbeat
+        #: rank → resident memory at its last resources sample or cell end
+        self.rss: dict[int, int] = {}
         self.idle_timeout = idle_timeout
         self.idle_since = time.time()
         self.warning = ""
