@@ -644,9 +644,9 @@ class _Server:
         now = time.monotonic()
         due = [d for d in self.deferred
                if d[0] <= now or str(d[3].get("job", "")) in self.rank0]
-        self.deferred = [d for d in self.deferred if d not in due]
-        for _, fd, fds, msg in due:
-            self._fork_for(fd, fds, msg)
+        for entry in due:  # the others stay listed: each fork's child closes their pipes
+            self.deferred.remove(entry)
+            self._fork_for(entry[1], entry[2], entry[3])
 
     def _answer(self, conn: socket.socket, msg: ExecutorZygoteMsg) -> None:
         with contextlib.suppress(OSError):
@@ -658,7 +658,11 @@ class _Server:
         pid = os.fork()
         if pid:
             return pid
-        try:  # the rank keeps nothing of the zygote's: not its sockets, locks, pidfds
+        try:  # the rank keeps nothing of the zygote's: not its sockets, locks, pidfds, nor
+            # the pipes of other ranks whose fork waits for their rank 0 (``deferred``)
+            for _, _, waiting, _ in self.deferred:
+                for fd in waiting:
+                    os.close(fd)
             for other, _, _ in self.conns.values():
                 if other is not conn:
                     other.close()

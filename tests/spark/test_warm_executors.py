@@ -32,9 +32,17 @@ def _rank() -> dict[str, Any]:
 
     import torch
 
+    pipes = set()  # the pipes this rank holds: its own four, nothing of another rank's
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("pipe:"):
+            pipes.add(link)
     return {"pid": os.getpid(), "ppid": os.getppid(), "rand": torch.rand(1).item(),
             "py": random.random(), "rank": os.environ["RANK"], "extra": os.environ.get("EXTRA"),
-            "torch_at_start": "torch" in sys.modules}
+            "torch_at_start": "torch" in sys.modules, "pipes": sorted(pipes)}
 
 
 def zygotes(mark: str) -> list[psutil.Process]:
@@ -59,7 +67,11 @@ def _until_forked(np: int, tries: int = 6, fn: Any = _rank, **kwargs: Any) -> An
     starts them; a zygote still importing makes a task wait, never fail)."""
     for _ in range(tries):
         job = nbdist.run(fn, np=np, backend="spark", **kwargs)
-        assert len(job.results) == np
+        results = job.results
+        assert len(results) == np
+        if all("pipes" in r for r in results):  # no rank holds another's pipes
+            held = [p for r in results for p in r["pipes"]]
+            assert len(held) == len(set(held)), f"ranks share pipes: {results}"
         if all(_forked(job)):
             return job
     raise AssertionError(f"no run of {tries} had all its ranks forked from executor zygotes")
@@ -109,6 +121,9 @@ def test_an_installed_module_edited_between_runs_is_never_stale_on_an_executor(
 
         return {"value": nbdist_sitemod_spark.VALUE, "parent": os.getppid()}
 
+    # Zygotes of earlier tests (other environments) hold the executor's two places, and the
+    # new file in site-packages makes them stale anyway: start from none.
+    _stop_zygotes(spark_mark)
     site = Path(sysconfig.get_paths()["purelib"])
     module = site / "nbdist_sitemod_spark.py"
     module.write_text("VALUE = 1\n")
@@ -126,6 +141,13 @@ def test_an_installed_module_edited_between_runs_is_never_stale_on_an_executor(
         module.unlink()
         for cached in site.glob("__pycache__/nbdist_sitemod_spark.*"):
             cached.unlink()
+        _stop_zygotes(spark_mark)  # stale now that the module is gone: no test after gets one
+
+
+def _stop_zygotes(mark: str) -> None:
+    for old in zygotes(mark):
+        old.terminate()
+    _none_within(lambda: zygotes(mark), "the zygotes to go")
 
 
 def test_a_stranger_without_the_applications_secret_is_refused(
@@ -157,9 +179,7 @@ def test_an_idle_zygote_goes(
     spark_local: SparkSession, spark_mark: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An executor zygote nobody asked for a rank for NBDIST_WARM_IDLE_S seconds goes."""
-    for old in zygotes(spark_mark):  # started with the default idle time by earlier tests
-        old.terminate()
-    _none_within(lambda: zygotes(spark_mark), "the earlier tests' zygotes to go")
+    _stop_zygotes(spark_mark)  # started with the default idle time by earlier tests
     monkeypatch.setenv("NBDIST_WARM_IDLE_S", "5")  # read on the driver at each launch
     _until_forked(2)
     (zygote,) = zygotes(spark_mark)
