@@ -115,14 +115,22 @@ def test_magic_mlflow_option_logs_rank_0s_reports(ip: Any, notebook_run: Any) ->
     assert [(m.value, m.step) for m in history] == [(0.5, 2)]
 
 
-def _report_then_die_once() -> None:
+def _report_then_die_once(reported: str) -> None:
     import os
+    import time
 
     import nbdist
 
     count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    nbdist.report(loss=1.0 + count, step=count)
+    nbdist.report(loss=1.0 + count, step=count)  # the first report is sent at once
+    if os.environ["RANK"] == "0":
+        open(f"{reported}.{count}", "w").close()
     if count == 0 and os.environ["RANK"] == "1":
+        # Not before rank 0 reported: on a busy machine rank 0 may start later than rank 1,
+        # and nbdist stops it when rank 1 dies.
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{reported}.0") and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.kill(os.getpid(), 9)
     if count == 0:
         import time
@@ -130,12 +138,14 @@ def _report_then_die_once() -> None:
         time.sleep(60)  # until nbdist stops it after rank 1's death
 
 
-def test_mlflow_option_logs_every_attempt_of_a_job_that_restarts(notebook_run: Any) -> None:
+def test_mlflow_option_logs_every_attempt_of_a_job_that_restarts(
+    notebook_run: Any, tmp_path: Path,
+) -> None:
     """With max_restarts, rank 0's reports of every attempt land in the notebook's run (the
     restart starts from a thread of nbdist's own, where MLflow's active run is not set), and
     the restarted ranks keep the run's MLFLOW_* variables."""
-    job = nbdist.run(_report_then_die_once, np=2, backend="local", mlflow=True,
-                     max_restarts=1)
+    job = nbdist.run(_report_then_die_once, str(tmp_path / "reported"), np=2, backend="local",
+                     mlflow=True, max_restarts=1)
     job.result(timeout=150)
     assert len(job.attempts) == 2
     history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "loss")
