@@ -29,8 +29,9 @@ import psutil
 
 import nbdist
 from nbdist.channel import free_port
-from nbdist.job import Job, choose_launcher
+from nbdist.job import Job
 from nbdist.launch import local
+from nbdist.launch.backends import choose as choose_launcher
 from nbdist.launch.zygote import COMMAND
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -34,8 +34,8 @@ from typing import Any
 from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
 from nbdist.errors import CapacityError, DistributedError, LaunchError
-from nbdist.protocol import CallPayload, Payload
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.launch import backends
+from nbdist.protocol import CallPayload, Payload, RankOutcome
 from nbdist.state import Attempt, ElasticState
 from nbdist.waiting import wait_loop
 
@@ -184,7 +184,7 @@ class ElasticJob:
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
-        launcher, self.np = jobs.choose_launcher(np, backend)
+        launcher, self.np = backends.choose(np, backend)
         self._new_launcher = _same_backend(launcher)
         self.id = jobs.new_id()
         self.label = label

@@ -1,7 +1,8 @@
-"""One job's life: choose the backend, register with the event server, launch, do the
-rendezvous, wait, cancel, gather results and failures.
+"""One job's life: register with the event server, launch, do the rendezvous, wait, cancel,
+gather results and failures.
 
-How ranks start is the launcher's business (``nbdist.launch``); how the job is shown is the
+Which backend runs it is the registry's choice (``nbdist.launch.backends``); how ranks start is
+the launcher's business (``nbdist.launch``); how the job is shown is the
 views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) up to date.
 """
 
@@ -20,9 +21,16 @@ from typing import Any, Protocol
 
 from nbdist import _pickling, channel, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
-from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
-from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.launch import Launcher, backends
+from nbdist.launch.payload import payload_env, payload_modules
+from nbdist.protocol import (
+    CallPayload,
+    DriverEvent,
+    LaunchRequest,
+    Payload,
+    RankOutcome,
+    RankStatus,
+)
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
@@ -129,50 +137,6 @@ def get_job(job_id: str | None = None) -> Handle | None:
     running = [j for j in all_jobs if not j.done()]
     candidates = running or all_jobs
     return candidates[-1] if candidates else None
-
-
-def choose_launcher(np: int, backend: str = "auto") -> tuple[Launcher, int]:
-    """The launcher for ``np`` (negative: local even with Spark active) and the rank count."""
-    if np == 0:
-        raise ValueError("np must be a non-zero integer: N ranks, or -N for N local ranks")
-    if backend not in ("auto", "local", "spark"):
-        raise ValueError(f"unknown backend {backend!r}: use auto, local or spark")
-    if backend == "spark" or (backend == "auto" and np > 0 and _spark_session() is not None):
-        if np < 0:
-            raise ValueError("-np -N means local ranks; it cannot go with --backend spark")
-        from nbdist.launch.spark import SparkLauncher
-
-        return SparkLauncher(), np
-    from nbdist.launch.local import LocalLauncher
-
-    return LocalLauncher(), abs(np)
-
-
-def _spark_session() -> Any:
-    import sys
-
-    if "pyspark" not in sys.modules:  # never import Spark just to find out it is not used
-        return None
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        return None
-    return SparkSession.getActiveSession()
-
-
-def capacities() -> list[tuple[str, Capacity]]:
-    """(backend, Capacity) of the local backend, and of Spark when a session is active
-    (``%dist_status``)."""
-    from nbdist.launch.local import LocalLauncher
-
-    caps: list[tuple[str, Capacity]] = [("local", LocalLauncher().capacity())]
-    if _spark_session() is not None:
-        try:
-            launcher, _ = choose_launcher(1, "spark")
-            caps.append(("spark", launcher.capacity()))
-        except Exception as exc:  # no Spark backend here, or the cluster cannot be asked
-            caps.append(("spark", Capacity(0, 0, f"unknown: {exc}")))
-    return caps
 
 
 def default_gpu(launcher: Launcher) -> bool:
@@ -768,7 +732,7 @@ def start(
     mlflow: bool = False,
 ) -> Job:
     """Start a job; ``np`` < 0 means |np| local ranks even when Spark is active."""
-    launcher, n = choose_launcher(np, backend)
+    launcher, n = backends.choose(np, backend)
     if timeout is not None and timeout <= 0:
         raise ValueError("timeout must be a positive number of seconds")
     try:

@@ -24,6 +24,7 @@ from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError
+from nbdist.launch import backends
 from nbdist.protocol import Payload, ScriptPayload
 from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
@@ -464,7 +465,7 @@ class DistMagics(Magics):
             if not (show_timeline or trace is not None):
                 display(status.RanksReport(job.state))
             return
-        display(status.JobsReport([j.state for j in jobs.jobs()], jobs.capacities(),
+        display(status.JobsReport([j.state for j in jobs.jobs()], backends.capacities(),
                                   rejected=events.rejected_connections()))
 
     @line_magic
@@ -592,8 +593,6 @@ def unload(shell: Any) -> None:
     close, pyspark's own SIGINT handler is back, and ``%%distributed`` is unknown again.
     ``%load_ext nbdist`` starts over.
     """
-    import sys
-
     running = [j.id for j in jobs.jobs() if not j.done()]
     if running:
         one = len(running) == 1
@@ -603,11 +602,8 @@ def unload(shell: Any) -> None:
         raise UsageError(f"nbdist was not unloaded: {what} still running. Let {it} end or stop "
                          f"{it} ({cancel}), then run %unload_ext nbdist again.")
     sessions.shutdown("nbdist was unloaded (%unload_ext nbdist)")
-    if "nbdist.launch.local" in sys.modules:  # nothing was started if it was never imported
-        sys.modules["nbdist.launch.local"].pool.clear()
+    backends.shutdown()
     events.close_shared()
-    if "nbdist.launch.spark" in sys.modules:
-        sys.modules["nbdist.launch.spark"].unguard_stop_button()
     manager = shell.magics_manager
     mine = manager.registry.pop(DistMagics.__name__, None)
     if mine is not None:

@@ -28,7 +28,9 @@ The boundaries, and what crosses each (all defined below):
   ``ping``). What arrives from the network is checked where it is read (``state.JobState.apply``
   ignores what does not fit), so the receiving side takes a plain mapping and the sending side
   builds these types;
-- Spark task → driver, through ``collect()``: how the rank ended, as ``OutcomeFields``.
+- job → backend → supervisor: the **launch contract**, ``LaunchRequest`` (a Spark task gets its
+  plain fields); backend → job: how each rank ended, ``RankOutcome`` (from a Spark task,
+  through ``collect()``, as its plain fields).
 
 Two sockets stay inside one module each, both of their ends in it, and are typed there: the
 local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
@@ -38,12 +40,15 @@ local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
+import signal
 import struct
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, BinaryIO, Literal, TypedDict
 
@@ -166,24 +171,96 @@ class ErrorRecord(TypedDict):
     traceback: str
 
 
-class OutcomeFields(TypedDict, total=False):
-    """How a rank ended, as its Spark barrier task returns it to the driver (pickled, through
-    ``collect()``): the fields of ``rank.RankOutcome`` (``dataclasses.asdict``), or only
-    ``status`` and ``error`` when the task could not run its rank. The driver drops the fields
-    it does not know (an executor with another nbdist; ``launch/spark.py``'s ``_outcome``)."""
+# -- the launch contract: what a backend is asked, and what it answers per rank --------------------
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One job's ranks as the job asks for them; the backend fills in the per-rank parts
+    (``rank.supervisor.RankSpec.for_rank``, the one mapping every backend uses). A Spark task
+    gets it as plain fields (:meth:`fields`), since its closure must unpickle where nbdist is
+    missing, and rebuilds it once its nbdist is known to be the notebook's."""
+
+    job_id: str
+    np: int
+    secret: str
+    driver: tuple[str, int]
+    payload: bytes
+    gpu: bool
+    env: dict[str, str] = field(default_factory=dict)
+    run_id: str = ""  # TORCHELASTIC_RUN_ID, for ranks that plan their world without the driver
+    #: What the rendezvous adds to every rank's environment (a restart's count, its
+    #: checkpoint directory), for ranks that plan their world without the driver. Not part
+    #: of ``env``, which keys the local backend's warm ranks (a remote backend's ``env`` has
+    #: them too).
+    world_env: dict[str, str] = field(default_factory=dict)
+    modules: tuple[str, ...] = ()  # what the payload imports, known before it runs (warm-up)
+    session: bool = False  # ranks of a persistent session: cells arrive over the channel
+    #: Seconds without a word from the driver after which a rank stops (None: never).
+    heartbeat_timeout: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The request as plain values (builtins only), for a closure that pickles by value."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass
+class RankOutcome:
+    """How one rank ended. ``status`` is ``done``, ``failed`` or ``cancelled``.
+
+    A Spark barrier task returns it to the driver as plain fields through ``collect()``
+    (:meth:`fields`, :meth:`from_fields`): the status as its word, so that a row still
+    unpickles where the executors cannot import nbdist."""
 
     rank: int
-    status: str  # a RankStatus; its word where the executors cannot import nbdist
-    result: bytes | None
-    error: ErrorRecord | None
-    exit_code: int | None
-    pid: int | None
-    tail: list[str]
-    dropped_events: int
-    result_type: str | None
-    lost_lines: int
-    channel_error: str | None
-    lost_host: str | None
+    status: RankStatus
+    result: bytes | None = None
+    error: ErrorRecord | None = None
+    exit_code: int | None = None
+    pid: int | None = None
+    tail: list[str] = field(default_factory=list)
+    dropped_events: int = 0  # progress, metrics and other events that never reached the driver
+    result_type: str | None = None  # "module.Class" of the result, known even if unpicklable
+    lost_lines: int = 0  # lines of output that never reached the driver
+    channel_error: str | None = None  # why the event server could not be reached, if so
+    #: Set by a backend whose host for this rank went away under it (a Spark executor lost):
+    #: that host, so the driver can name every rank that was on it.
+    lost_host: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The outcome as plain values: every field, the status as its word."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["status"] = RankStatus(self.status).value
+        return fields
+
+    @classmethod
+    def from_fields(cls, rank: int, fields: Mapping[str, Any]) -> RankOutcome:
+        """The outcome of ``rank`` from a task's fields: fields this nbdist does not know (an
+        executor with another nbdist) are dropped, a missing status is ``failed``; the rank is
+        the caller's (the task's partition), whatever the fields say."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kept: dict[str, Any] = {k: v for k, v in fields.items() if k in known and k != "rank"}
+        kept["status"] = RankStatus(kept.get("status", RankStatus.FAILED))
+        return cls(rank, **kept)
+
+    def describe(self) -> str:
+        """The failure as text: the remote traceback, or the exit status and last output."""
+        if self.error is not None:
+            text = self.error.get("traceback") or ""
+            if not text.strip():
+                text = f"{self.error.get('type')}: {self.error.get('message')}\n"
+            return text
+        code = self.exit_code
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            how = f"rank {self.rank} was killed by {name}"
+        elif self.status == RankStatus.CANCELLED:
+            how = f"rank {self.rank} was stopped by nbdist"
+        else:
+            how = f"rank {self.rank} exited with code {code} before returning a result"
+        lines = "".join(f"    {line}\n" for line in self.tail)
+        return f"{how}\n" + (f"its last output:\n{lines}" if lines else "it printed nothing\n")
 
 
 # -- payloads: what a rank runs -------------------------------------------------------------------

@@ -35,15 +35,13 @@ from nbdist.errors import DistributedError
 from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
     Job,
-    choose_launcher,
     dropped_error,
     register,
     retain,
     unreachable_hint,
 )
-from nbdist.launch import Launcher
-from nbdist.protocol import CellEvent, Payload, RankStatus
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.launch import Launcher, backends
+from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
 from nbdist.waiting import wait_loop
 
 #: How long ``start`` waits for every rank's interpreter to be up.
@@ -82,7 +80,7 @@ def start(
                 f"session {_current.id} is already running ({_current.np} ranks on "
                 f"{_current.launcher.name}); stop it first with %dist_session stop"
             )
-        launcher, n = choose_launcher(np, backend)
+        launcher, n = backends.choose(np, backend)
         _current = Session(n, launcher, gpu=gpu, env=env, idle_timeout=idle_timeout)
     _current.wait_ready(START_S)
     return _current

@@ -15,10 +15,10 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbdist
+import nbdist.launch.backends
 from nbdist import elastic, state
 from nbdist.elastic import AttemptEnd, judge
-from nbdist.protocol import RankStatus
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.protocol import RankOutcome, RankStatus
 from nbdist.views import status
 
 from .helpers import wait_for
@@ -380,7 +380,7 @@ def test_a_restart_without_the_event_channel_still_counts(
         def __init__(self) -> None:
             super().__init__(LocalLauncher())
 
-    monkeypatch.setattr(nbdist.job, "choose_launcher", lambda np, backend: (Unreachable(), np))
+    monkeypatch.setattr(nbdist.launch.backends, "choose", lambda np, backend: (Unreachable(), np))
 
     def f() -> tuple[str, ...]:
         import os

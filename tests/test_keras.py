@@ -167,7 +167,7 @@ def test_other_known_failures_say_what_to_do(error: str, says: str) -> None:
 ])
 def test_leading_environ_literals_are_found(source: str, env: dict[str, str]) -> None:
     """Only literal os.environ assignments before anything but `import os` are taken."""
-    from nbdist.launch import payload_env
+    from nbdist.launch.payload import payload_env
 
     assert payload_env({"kind": "cell", "source": source}) == env
     assert payload_env({"kind": "call", "source": source}) == {}

@@ -1,23 +1,24 @@
-"""What a Spark barrier task returns to the driver is typed as it is: ``OutcomeFields`` lists
-``RankOutcome``'s fields, and the driver keeps only the fields it knows."""
+"""The launch contract travels as plain fields where nbdist may be missing (a Spark task's
+closure and its rows): ``RankOutcome`` and ``LaunchRequest`` come back whole from their fields,
+and the driver keeps only the fields it knows."""
 
 from __future__ import annotations
 
 import dataclasses
-import typing
+import pickle
 
-from nbdist.launch.spark import _outcome
-from nbdist.protocol import OutcomeFields, RankStatus
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
 
 
-def test_outcome_fields_are_the_fields_of_rank_outcome_with_their_types() -> None:
-    """OutcomeFields has each RankOutcome field with its type (status: the word, a str)."""
-    outcome = typing.get_type_hints(RankOutcome)
-    fields = typing.get_type_hints(OutcomeFields)
+def test_an_outcome_comes_back_whole_from_its_fields_with_the_status_as_a_word() -> None:
+    """Every RankOutcome field travels, the status as its word (a str, not a RankStatus)."""
+    outcome = RankOutcome(3, RankStatus.FAILED, error={"type": "E", "message": "m",
+                                                       "traceback": "t"}, exit_code=-9,
+                          tail=["last"], lost_host="10.0.0.4")
+    fields = outcome.fields()
     assert list(fields) == [f.name for f in dataclasses.fields(RankOutcome)]
-    assert outcome.pop("status") is RankStatus and fields.pop("status") is str
-    assert fields == outcome
+    assert type(fields["status"]) is str and fields["status"] == "failed"
+    assert RankOutcome.from_fields(3, fields) == outcome
 
 
 def test_the_driver_drops_fields_it_does_not_know_and_reads_the_status_word() -> None:
@@ -25,9 +26,17 @@ def test_the_driver_drops_fields_it_does_not_know_and_reads_the_status_word() ->
     rank is the partition's, whatever the fields say."""
     sent = {"rank": 7, "status": "failed", "error": {"type": "ImportError", "message": "m",
                                                       "traceback": ""}, "from_the_future": 1}
-    outcome = _outcome(2, typing.cast(OutcomeFields, sent))
+    outcome = RankOutcome.from_fields(2, sent)
     assert outcome.rank == 2 and outcome.status is RankStatus.FAILED
     assert outcome.error == sent["error"] and outcome.tail == []
-    fields = typing.cast(OutcomeFields, dataclasses.asdict(RankOutcome(3, RankStatus.DONE,
-                                                                       result=b"x")))
-    assert _outcome(3, fields) == RankOutcome(3, RankStatus.DONE, result=b"x")
+    assert RankOutcome.from_fields(3, {}).status is RankStatus.FAILED
+
+
+def test_a_launch_request_is_plain_fields_that_rebuild_it() -> None:
+    """A LaunchRequest's fields pickle without nbdist's classes and rebuild the request."""
+    request = LaunchRequest(job_id="j1", np=2, secret="s", driver=("h", 1), payload=b"p",
+                            gpu=False, env={"A": "1"}, modules=("torch",), session=True,
+                            heartbeat_timeout=60.0)
+    fields = request.fields()
+    assert b"nbdist" not in pickle.dumps(fields)
+    assert LaunchRequest(**fields) == request

@@ -10,7 +10,6 @@ and the ranks run without live output.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import importlib.util
 import json
 import os
@@ -24,11 +23,11 @@ from collections.abc import Callable
 from nbdist import timeline
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
-from nbdist.launch import Capacity, LaunchRequest
+from nbdist.launch import Capacity
 from nbdist.launch.zygote import Zygote, installation_stamp, process_attributes
-from nbdist.protocol import Frame, HelloEvent, RankStatus
+from nbdist.protocol import Frame, HelloEvent, LaunchRequest, RankOutcome, RankStatus
 from nbdist.rank import runtime
-from nbdist.rank.supervisor import RankOutcome, RankProcess, RankSpec, Supervisor
+from nbdist.rank.supervisor import RankProcess, RankSpec, Supervisor
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
 WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
@@ -374,6 +373,14 @@ class Hellos:
 
 #: The kernel's pool of warm interpreters, filled after each local job.
 pool = WarmPool()
+
+
+def shutdown() -> None:
+    """``%unload_ext nbdist`` (``backends.shutdown``): the warm pool lets its zygotes and
+    interpreters go."""
+    pool.clear()
+
+
 atexit.register(pool.clear)
 
 
@@ -424,12 +431,8 @@ class LocalLauncher:
         template = job_template(request.env)
         hellos = self._hellos = Hellos(request.np, RankSpec.rendezvous_timeout)
         specs = [
-            dataclasses.replace(
-                template, rank=rank, world_size=request.np, job_id=request.job_id,
-                secret=request.secret, driver=request.driver, payload=request.payload,
-                gpus=(gpus[rank],) if gpus else (), run_id=request.run_id,
-                world_env=request.world_env, session=request.session,
-            )
+            RankSpec.for_rank(request, rank, env=template.env, host=template.host,
+                              cwd=template.cwd, gpus=(gpus[rank],) if gpus else ())
             for rank in range(request.np)
         ]
         # The zygote imports while the ranks meet; each rank waits for it before its

@@ -35,9 +35,8 @@ from typing import Any
 
 from nbdist import channel, events, launch
 from nbdist.errors import CapacityError, LaunchError
-from nbdist.launch import Capacity, LaunchRequest
-from nbdist.protocol import OutcomeFields, RankStatus
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.launch import Capacity
+from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
 
 #: Executors register a moment after a session starts: in a session younger than
 #: ``YOUNG_SESSION_S``, ``check`` and ``capacity`` wait up to ``EXECUTOR_WAIT_S`` for enough
@@ -54,7 +53,7 @@ CANCEL_GRACE_S = 4.0
 _APP_SECRETS: dict[str, str] = {}
 _SECRETS_LOCK = threading.Lock()
 #: A barrier task: its rank and how the rank ended.
-_Task = Callable[[Iterable[Any]], Iterator[tuple[int, OutcomeFields]]]
+_Task = Callable[[Iterable[Any]], Iterator[tuple[int, dict[str, Any]]]]
 
 
 def active_session() -> Any:
@@ -350,7 +349,7 @@ class SparkLauncher:
         self, request: LaunchRequest, group: str, task: _Task,
         on_outcome: Callable[[RankOutcome], None],
     ) -> None:
-        rows: list[tuple[int, OutcomeFields]] = []
+        rows: list[tuple[int, dict[str, Any]]] = []
         error: BaseException | None = None
         try:
             sc = self._sc
@@ -364,7 +363,7 @@ class SparkLauncher:
             error = exc
         finally:
             self._finished.set()
-        outcomes = {rank: _outcome(rank, fields) for rank, fields in rows}
+        outcomes = {rank: RankOutcome.from_fields(rank, fields) for rank, fields in rows}
         culprit = _failed_partition(error) if error is not None else None
         lost_host = self._lost_executor(error) if error is not None else None
         for rank in range(request.np):
@@ -489,14 +488,9 @@ def unguard_stop_button() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _outcome(rank: int, fields: OutcomeFields) -> RankOutcome:
-    """A RankOutcome from a task's fields; fields this nbdist does not know are dropped."""
-    known = {f.name for f in dataclasses.fields(RankOutcome)}
-    # Another nbdist's executor may send fields OutcomeFields does not list: what it sends
-    # is whatever pickle made of it, so every field is kept only by name.
-    kept: dict[str, Any] = {k: v for k, v in fields.items() if k in known and k != "rank"}
-    kept["status"] = RankStatus(kept.get("status", RankStatus.FAILED))  # its word, pickled
-    return RankOutcome(rank, **kept)
+def shutdown() -> None:
+    """``%unload_ext nbdist`` (``backends.shutdown``): pyspark's own SIGINT handler is back."""
+    unguard_stop_button()
 
 
 _EXECUTOR_LOST = re.compile(r"ExecutorLostFailure \(executor (\S+) ")
@@ -535,12 +529,9 @@ def _spark_reason(error: BaseException) -> tuple[str, str]:
 def _barrier_task(request: LaunchRequest, version: str,
                   warm: tuple[str, str, float] | None = None) -> _Task:
     """The function each barrier task runs; pickled by value, so it holds plain values only."""
-    job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
-    payload, gpu, env, run_id = request.payload, request.gpu, dict(request.env), request.run_id
-    session, heartbeat_timeout = request.session, request.heartbeat_timeout
-    modules = request.modules
+    fields = request.fields()  # plain values: LaunchRequest is rebuilt once nbdist is known
 
-    def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, OutcomeFields]]:
+    def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
         import time
 
         scheduled = time.time()  # the launch timeline's ``scheduled``: the task began
@@ -564,7 +555,6 @@ def _barrier_task(request: LaunchRequest, version: str,
                 f"has it.",
             }}
             return
-        yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
-                             run_id, session, heartbeat_timeout, scheduled, warm, modules)
+        yield rank, run_task(ctx, rank, fields, version, scheduled=scheduled, warm=warm)
 
     return nbdist_rank

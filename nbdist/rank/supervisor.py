@@ -39,7 +39,9 @@ from nbdist.protocol import (
     ErrorRecord,
     Frame,
     HelloEvent,
+    LaunchRequest,
     RankEvent,
+    RankOutcome,
     RankStatus,
     read_frame,
     write_frame,
@@ -235,46 +237,20 @@ class RankSpec:
     #: start), the launch timeline's ``scheduled`` mark; 0: when the supervisor starts.
     scheduled: float = 0.0
 
+    @classmethod
+    def for_rank(cls, request: LaunchRequest, rank: int, *, env: dict[str, str] | None = None,
+                 **where: Any) -> RankSpec:
+        """Rank ``rank``'s spec from its job's request: the one mapping every backend uses.
 
-@dataclass
-class RankOutcome:
-    """How one rank ended. ``status`` is ``done``, ``failed`` or ``cancelled``."""
-
-    rank: int
-    status: RankStatus
-    result: bytes | None = None
-    error: ErrorRecord | None = None
-    exit_code: int | None = None
-    pid: int | None = None
-    tail: list[str] = field(default_factory=list)
-    dropped_events: int = 0  # progress, metrics and other events that never reached the driver
-    result_type: str | None = None  # "module.Class" of the result, known even if unpicklable
-    lost_lines: int = 0  # lines of output that never reached the driver
-    channel_error: str | None = None  # why the event server could not be reached, if so
-    #: Set by a backend whose host for this rank went away under it (a Spark executor lost):
-    #: that host, so the driver can name every rank that was on it.
-    lost_host: str | None = None
-
-    def describe(self) -> str:
-        """The failure as text: the remote traceback, or the exit status and last output."""
-        if self.error is not None:
-            text = self.error.get("traceback") or ""
-            if not text.strip():
-                text = f"{self.error.get('type')}: {self.error.get('message')}\n"
-            return text
-        code = self.exit_code
-        if code is not None and code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            how = f"rank {self.rank} was killed by {name}"
-        elif self.status == RankStatus.CANCELLED:
-            how = f"rank {self.rank} was stopped by nbdist"
-        else:
-            how = f"rank {self.rank} exited with code {code} before returning a result"
-        lines = "".join(f"    {line}\n" for line in self.tail)
-        return f"{how}\n" + (f"its last output:\n{lines}" if lines else "it printed nothing\n")
+        ``env``: what the backend adds under the request's own environment (the user's paths);
+        ``where``: what only the backend knows of the rank's host (``host``, ``gpus``, ``cwd``,
+        ``executor``, ``scheduled``...)."""
+        return cls(
+            rank=rank, world_size=request.np, job_id=request.job_id, secret=request.secret,
+            driver=request.driver, payload=request.payload, env={**(env or {}), **request.env},
+            run_id=request.run_id, world_env=dict(request.world_env), session=request.session,
+            heartbeat_timeout=request.heartbeat_timeout, **where,
+        )
 
 
 #: How a backend shares the ranks' hellos without the event channel: called by every rank with

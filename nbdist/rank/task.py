@@ -7,26 +7,25 @@ kernel's Spark backend (``launch/spark.py``) and pickled by value.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import traceback
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from nbdist.protocol import HelloEvent, OutcomeFields, RankStatus
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.protocol import HelloEvent, LaunchRequest, RankOutcome, RankStatus
 
 
 def run_task(
-    ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
-    payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
-    session: bool = False, heartbeat_timeout: float | None = None, scheduled: float = 0.0,
-    warm: tuple[str, str, float] | None = None, modules: tuple[str, ...] = (),
-) -> OutcomeFields:
-    """Run one rank inside its barrier task with the shared supervisor; its outcome as fields.
+    ctx: Any, rank: int, request: Mapping[str, Any], version: str, *, scheduled: float = 0.0,
+    warm: tuple[str, str, float] | None = None,
+) -> dict[str, Any]:
+    """Run one rank inside its barrier task with the shared supervisor; its outcome as plain
+    fields (``RankOutcome.fields``).
 
-    With ``warm`` (the application's id, secret and idle time) the rank is forked from the
+    ``request``: the job's ``LaunchRequest`` as its plain fields (``LaunchRequest.fields``),
+    rebuilt here once this executor's nbdist is known to be the notebook's ``version``. With
+    ``warm`` (the application's id, secret and idle time) the rank is forked from the
     executor's zygote when there is one, and a rank started fresh leaves one behind for the
     next tasks (``executor_zygote.py``)."""
     import json
@@ -35,20 +34,19 @@ def run_task(
     from nbdist.rank.supervisor import RankSpec, Supervisor
 
     if nbdist.__version__ != version:
-        return {"status": RankStatus.FAILED, "error": {
+        return {"status": RankStatus.FAILED.value, "error": {
             "type": "ImportError", "traceback": "",
             "message": f"the notebook has nbdist {version} but the Spark executors' Python "
             f"({sys.executable}) has nbdist {nbdist.__version__}: install the same version on "
             f"both",
         }}
+    launch = LaunchRequest(**request)
     resources = ctx.resources()
-    gpus = tuple(str(a) for a in resources["gpu"].addresses) if gpu and "gpu" in resources else ()
-    spec = RankSpec(
-        rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
-        host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
-        python=sys.executable, run_id=run_id, session=session,
-        executor=_executor_host(ctx, rank), heartbeat_timeout=heartbeat_timeout,
-        scheduled=scheduled,
+    gpus = tuple(str(a) for a in resources["gpu"].addresses) \
+        if launch.gpu and "gpu" in resources else ()
+    spec = RankSpec.for_rank(
+        launch, rank, env=_worker_pythonpath(), host=_task_host(ctx, rank), gpus=gpus,
+        python=sys.executable, executor=_executor_host(ctx, rank), scheduled=scheduled,
     )
 
     def gather(hello: HelloEvent) -> list[HelloEvent]:
@@ -56,7 +54,7 @@ def run_task(
         # part (they all fail to reach the same driver address).
         return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
 
-    zygote = _executor_zygote(spec, warm, modules)
+    zygote = _executor_zygote(spec, warm, launch.modules)
     sup = Supervisor(spec, take=None if zygote is None else _take(zygote, lambda: sup),
                      gather=gather)
     if zygote is not None:
@@ -70,7 +68,7 @@ def run_task(
             "type": type(exc).__name__, "traceback": traceback.format_exc(),
             "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
         })
-    return cast(OutcomeFields, dataclasses.asdict(outcome))  # tests/test_protocol.py: same fields
+    return outcome.fields()
 
 
 def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,

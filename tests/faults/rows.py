@@ -22,10 +22,10 @@ import pytest
 import nbdist
 from nbdist import channel, events
 from nbdist.errors import OutputLostWarning
-from nbdist.job import Job, choose_launcher
-from nbdist.launch import Launcher, LaunchRequest
-from nbdist.protocol import CallPayload
-from nbdist.rank.supervisor import RankOutcome
+from nbdist.job import Job
+from nbdist.launch import Launcher
+from nbdist.launch.backends import choose as choose_launcher
+from nbdist.protocol import CallPayload, LaunchRequest, RankOutcome
 
 from ..helpers import GONE_WITHIN_S, wait_for
 

@@ -13,11 +13,11 @@ def test_nbdist_works_without_pyspark_and_explains_the_spark_backend() -> None:
     script = textwrap.dedent("""
         import sys
         sys.modules["pyspark"] = None  # any `import pyspark` now raises ImportError
-        import nbdist, nbdist.job, nbdist.magics
-        launcher, n = nbdist.job.choose_launcher(2)
+        import nbdist, nbdist.launch.backends, nbdist.magics
+        launcher, n = nbdist.launch.backends.choose(2)
         assert (launcher.name, n) == ("local", 2), launcher.name
         try:
-            nbdist.job.choose_launcher(2, "spark")
+            nbdist.launch.backends.choose(2, "spark")
         except ImportError as exc:
             print(exc)
     """)
