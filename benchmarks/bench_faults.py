@@ -210,7 +210,7 @@ def spark_kills_unreachable(backend: str) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
         launcher = Misdirected(choose_launcher(2, backend)[0])
         payload = {"kind": "call", "fn": define(HANG), "args": (d,), "kwargs": {}}
-        job = Job(payload, 2, launcher)
+        job = Job(payload, 2, launcher).start()
         wait_files(Path(d), "pid*", 2)
         procs = pids_in(Path(d))
         t0 = time.time()
@@ -251,7 +251,7 @@ def unreachable(backend: str) -> tuple[float, float]:
     normal = time.perf_counter() - t0
     payload = {"kind": "call", "fn": trivial, "args": (), "kwargs": {}}
     t0 = time.perf_counter()
-    job = Job(payload, 2, Misdirected(choose_launcher(2, backend)[0]))
+    job = Job(payload, 2, Misdirected(choose_launcher(2, backend)[0])).start()
     job.wait(120)
     assert job.lost_output is not None and job.error is None
     return normal, time.perf_counter() - t0

@@ -35,6 +35,7 @@ from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
 from nbdist.errors import CapacityError, DistributedError, LaunchError
 from nbdist.launch import backends
+from nbdist.options import JobOptions, Restarts
 from nbdist.protocol import CallPayload, Payload, RankOutcome
 from nbdist.state import Attempt, ElasticState
 from nbdist.waiting import wait_loop
@@ -170,40 +171,34 @@ class ElasticJob:
         self,
         payload: Payload,
         np: int,
-        *,
-        max_restarts: int,
-        restart_on_error: bool = False,
-        capacity_wait: float | None = None,
-        checkpoint_dir: str | None = None,
-        backend: str = "auto",
-        gpu: bool | None = None,
-        timeout: float | None = None,
-        env: dict[str, str] | None = None,
-        label: str = "",
-        mlflow: bool = False,
+        options: JobOptions,
     ) -> None:
+        restarts = options.restarts
+        max_restarts, label, timeout = restarts.max_restarts, options.label, options.timeout
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
-        launcher, self.np = backends.choose(np, backend)
+        launcher, self.np = backends.choose(np, options.backend)
         self._new_launcher = _same_backend(launcher)
         self.id = jobs.new_id()
         self.label = label
         self.max_restarts = max_restarts
-        self.restart_on_error = restart_on_error
-        self.capacity_wait = settings.capacity_wait if capacity_wait is None else capacity_wait
+        self.restart_on_error = restarts.restart_on_error
+        self.capacity_wait = settings.capacity_wait if restarts.capacity_wait is None \
+            else restarts.capacity_wait
         self._state = ElasticState(self.id, launcher.name, self.np, max_restarts)
         self.state: state.JobState = self._state  # what views and %dist_status read
         self.run_id = secrets.token_hex(8)
-        self.checkpoint_dir = checkpoint_dir or _checkpoint.default_dir(
+        self.checkpoint_dir = restarts.checkpoint_dir or _checkpoint.default_dir(
             label or "job", self.run_id, settings.checkpoint_root or None)
         self._payload = payload
         # Taken here, in the caller's thread: MLflow's active run is per thread, and restarts
         # start from a thread of the job's own. One logger for all attempts (``--mlflow``).
-        env = {**tracking.run_env(), **dict(env or {})}
-        self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
+        env = {**tracking.run_env(), **dict(options.env)}
+        self._mlflow = tracking.MetricsLogger.for_active_run() if options.mlflow else None
         if self._mlflow is not None:
             self._state.metrics_sink = self._mlflow.put
-        self._job_args: dict[str, Any] = dict(gpu=gpu, env=env, label=label)
+        # Each attempt is a plain job: the restarts, the time left and MLflow are this job's.
+        self._attempt_options = JobOptions(gpu=options.gpu, env=env, label=label)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self._stop = threading.Event()
@@ -227,16 +222,16 @@ class ElasticJob:
         }
 
     def _attempt(self, number: int, launcher: Any, why: str) -> jobs.Job:
-        args = {**self._job_args, "world_env": self._world_env(number)}
         timeout = None
         if self._deadline is not None:
             timeout = max(0.1, self._deadline - time.monotonic())
         self._state.begin(number, f"{self.id}.{number}", why)
-        job = jobs.Job(self._payload, self.np, launcher, timeout=timeout,
-                       job_state=self.state, **args)
+        job = jobs.Job(self._payload, self.np, launcher,
+                       dataclasses.replace(self._attempt_options, timeout=timeout),
+                       job_state=self.state, world_env=self._world_env(number))
         with self._state.lock:
             self._state.attempts[-1].job_id = job.id
-        return job
+        return job.start()
 
     def _supervise(self) -> None:
         number = 1
@@ -458,59 +453,34 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def start(
-    payload: Payload,
-    np: int,
-    *,
-    max_restarts: int = 0,
-    restart_on_error: bool = False,
-    capacity_wait: float | None = None,
-    checkpoint_dir: str | None = None,
-    backend: str = "auto",
-    gpu: bool | None = None,
-    timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    label: str = "",
-    mlflow: bool = False,
-) -> jobs.Job | ElasticJob:
-    """Start a job that restarts (``max_restarts`` > 0), else an ordinary one (the magics).
+def start(payload: Payload, np: int, options: JobOptions | None = None) -> jobs.Job | ElasticJob:
+    """Start a job that restarts (``options.restarts.max_restarts`` > 0), else an ordinary
+    one (the magics).
 
     ``checkpoint_dir`` alone (no restarts) only sets ``nbdist.checkpoint_dir()`` on the ranks.
     """
-    _check(max_restarts, restart_on_error, capacity_wait, timeout)
-    if not max_restarts:
-        if checkpoint_dir is not None:
-            env = {**(env or {}), _checkpoint.ENV: _absolute(checkpoint_dir)}
-        return jobs.start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
-                          label=label, mlflow=mlflow)
-    return _elastic(payload, np, max_restarts=max_restarts, restart_on_error=restart_on_error,
-                    capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir,
-                    backend=backend, gpu=gpu, timeout=timeout, env=env, label=label,
-                    mlflow=mlflow)
-
-
-def _check(max_restarts: int, restart_on_error: bool, capacity_wait: float | None,
-           timeout: float | None) -> None:
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
-    if restart_on_error and not max_restarts:
-        raise ValueError("restart_on_error needs max_restarts: how many restarts to allow "
-                         "(--max-restarts K)")
-    if capacity_wait is not None and capacity_wait < 0:
-        raise ValueError(f"capacity_wait must be 0 or more seconds, not {capacity_wait:g}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError("timeout must be a positive number of seconds")
+    options = JobOptions() if options is None else options
+    options.check()
+    folder = options.restarts.checkpoint_dir
+    if not options.restarts.max_restarts:
+        if folder is not None:
+            options = dataclasses.replace(
+                options, env={**options.env, _checkpoint.ENV: _absolute(folder)})
+        return jobs.start(payload, np, options)
+    return _elastic(payload, np, options)
 
 
 def _absolute(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def _elastic(payload: Payload, np: int, *, checkpoint_dir: str | None,
-             **kw: Any) -> ElasticJob:
+def _elastic(payload: Payload, np: int, options: JobOptions) -> ElasticJob:
+    folder = options.restarts.checkpoint_dir
+    if folder is not None:
+        options = dataclasses.replace(options, restarts=dataclasses.replace(
+            options.restarts, checkpoint_dir=_absolute(folder)))
     try:
-        return ElasticJob(payload, np, checkpoint_dir=None if checkpoint_dir is None
-                          else _absolute(checkpoint_dir), **kw)
+        return ElasticJob(payload, np, options)
     except OSError as exc:
         raise LaunchError(f"could not start the ranks: {exc}") from exc
 
@@ -549,9 +519,11 @@ def run(
     ElasticJob
         Used as a :class:`~nbdist.job.Job`; ``.attempts`` lists the attempts.
     """
-    _check(max_restarts, restart_on_error, capacity_wait, timeout)
+    options = JobOptions(
+        backend=backend, gpu=gpu, timeout=timeout, env=dict(env or {}),
+        label=getattr(fn, "__name__", "fn"), mlflow=mlflow,
+        restarts=Restarts(max_restarts=max_restarts, restart_on_error=restart_on_error,
+                          capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir))
+    options.check()
     payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
-    return _elastic(payload, np, max_restarts=max_restarts, restart_on_error=restart_on_error,
-                    capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir,
-                    backend=backend, gpu=gpu, timeout=timeout, env=env,
-                    label=getattr(fn, "__name__", "fn"), mlflow=mlflow)
+    return _elastic(payload, np, options)

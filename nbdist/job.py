@@ -23,6 +23,7 @@ from nbdist import _pickling, channel, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Launcher, backends
 from nbdist.launch.payload import payload_env, payload_modules
+from nbdist.options import JobOptions
 from nbdist.protocol import (
     CallPayload,
     DriverEvent,
@@ -183,25 +184,25 @@ class Job:
         payload: Payload | None,
         np: int,
         launcher: Launcher,
+        options: JobOptions | None = None,
         *,
-        gpu: bool | None = None,
-        timeout: float | None = None,
-        env: dict[str, str] | None = None,
-        label: str = "",
         owner: Owner | None = None,
-        mlflow: bool = False,
         job_state: state.JobState | None = None,
         world_env: dict[str, str] | None = None,
     ) -> None:
+        options = JobOptions() if options is None else options
+        #: How the job runs (its ``backend`` was chosen already: ``launcher``).
+        self.options = options
         #: A session's ranks: started without a payload, owned by the session (``Owner``).
         session = owner is not None
         self._owner = owner
+        self._payload = payload
         self.id = new_id("s" if session else "j")
-        self.label = label
+        self.label = options.label
         self.np = np
         self.launcher = launcher
-        self.gpu = default_gpu(launcher) if gpu is None else gpu
-        self.timeout = timeout
+        self.gpu = default_gpu(launcher) if options.gpu is None else options.gpu
+        self.timeout = options.timeout
         # Given: this job is one attempt of a job that restarts (``nbdist.elastic``), which
         # owns the state the views render and is the one listed by %dist_status.
         self._attempt = job_state is not None
@@ -211,14 +212,14 @@ class Job:
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
-        self._env = {**tracking.run_env(), **dict(env or {})}
+        self._env = {**tracking.run_env(), **dict(options.env)}
         # Variables given at the rendezvous only (an attempt of a job that restarts: its
         # restart count): they must not key the local backend's warm ranks. Ranks that plan
         # their world without the driver (the supervisor's fallback) get them with the launch
         # request; remote ranks get them in their environment at launch too.
         self._world_env = dict(world_env or {})
         #: Logs rank 0's reported metrics into that run (``--mlflow``), else None.
-        self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
+        self._mlflow = tracking.MetricsLogger.for_active_run() if options.mlflow else None
         self._hellos: dict[int, Hello] = {}
         # Open event connections per rank. A rank's outcome comes back through the launcher,
         # its output through the event channel: the job only ends once every channel has
@@ -241,7 +242,18 @@ class Job:
         #: or network cut off), by host: they are what the job's error names.
         self._unheard: dict[int, str] = {}
         self._heartbeat = launch.heartbeat_timeout() if launcher.remote else None
+        self._timer: threading.Timer | None = None
 
+    def start(self) -> Job:
+        """Launch the ranks, once: check the backend's capacity, register with the event
+        server, hand the backend the launch request, arm the timeout and the keepalive.
+
+        Returns the job. Until it is called nothing runs, so whoever owns the job (an
+        ``Owner``) has it in hand before the first event of a rank arrives.
+        """
+        np, launcher, payload, timeout = self.np, self.launcher, self._payload, self.timeout
+        session = self._owner is not None
+        self._payload = None  # the pickle below is what travels; the values need not stay
         launcher.check(np, self.gpu)
         # A session's ranks start without a payload: its cells follow on the event channel.
         body = b"" if payload is None else _pickling.dumps(payload)
@@ -270,12 +282,11 @@ class Job:
             timer = threading.Timer(timeout, self._on_timeout)
             timer.daemon = True
             timer.start()
-            self._timer: threading.Timer | None = timer
-        else:
-            self._timer = None
+            self._timer = timer
         if self._heartbeat is not None:
             threading.Thread(target=self._keepalive, args=(self._heartbeat,), daemon=True,
                              name=f"nbdist-keepalive-{self.id}").start()
+        return self
 
     # -- the event channel (called on the server's thread) -------------------------------------
     def on_connect(self, rank: int, hello: channel.Event) -> None:
@@ -720,24 +731,14 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def start(
-    payload: Payload,
-    np: int,
-    *,
-    backend: str = "auto",
-    gpu: bool | None = None,
-    timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    label: str = "",
-    mlflow: bool = False,
-) -> Job:
+def start(payload: Payload, np: int, options: JobOptions | None = None) -> Job:
     """Start a job; ``np`` < 0 means |np| local ranks even when Spark is active."""
-    launcher, n = backends.choose(np, backend)
-    if timeout is not None and timeout <= 0:
+    options = JobOptions() if options is None else options
+    launcher, n = backends.choose(np, options.backend)
+    if options.timeout is not None and options.timeout <= 0:
         raise ValueError("timeout must be a positive number of seconds")
     try:
-        return Job(payload, n, launcher, gpu=gpu, timeout=timeout, env=env, label=label,
-                   mlflow=mlflow)
+        return Job(payload, n, launcher, options).start()
     except OSError as exc:
         raise LaunchError(f"could not start the ranks: {exc}") from exc
 
@@ -779,5 +780,6 @@ def run(
         ``.result()`` is rank 0's return value, ``.results`` every rank's.
     """
     payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
-    return start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
-                 label=getattr(fn, "__name__", "fn"), mlflow=mlflow)
+    return start(payload, np, JobOptions(backend=backend, gpu=gpu, timeout=timeout,
+                                         env=dict(env or {}),
+                                         label=getattr(fn, "__name__", "fn"), mlflow=mlflow))

@@ -25,6 +25,7 @@ from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError
 from nbdist.launch import backends
+from nbdist.options import JobOptions, Restarts
 from nbdist.protocol import Payload, ScriptPayload
 from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
@@ -36,22 +37,15 @@ class Options:
     """``%%distributed``'s options, validated."""
 
     np: int | None  # None: run on the kernel's session (%dist_session)
-    backend: str = "auto"
-    gpu: bool | None = None
-    timeout: float | None = None
+    #: How the job runs, restarts included: passed to the engine whole.
+    job: JobOptions = field(default_factory=JobOptions)
     output: str | None = None
-    env: dict[str, str] = field(default_factory=dict)
     quiet: bool = False
     bg: bool = False
     show_source: bool = False
     export: str | None = None
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
-    mlflow: bool = False
-    max_restarts: int = 0
-    restart_on_error: bool = False
-    capacity_wait: float | None = None
-    checkpoint_dir: str | None = None
 
 
 #: Why a persistent session cannot restart (``--max-restarts`` with a session's cells).
@@ -166,16 +160,16 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
+    job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
+                     mlflow=mlflow, restarts=restarts)
     return Options(
-        np=np, backend=args.backend, gpu=args.gpu, timeout=args.timeout, output=args.output,
-        env=env, quiet=args.quiet, bg=getattr(args, "bg", False), show_source=args.show_source,
-        export=export,
+        np=np, job=job, output=args.output, quiet=args.quiet, bg=getattr(args, "bg", False),
+        show_source=args.show_source, export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
-        mlflow=mlflow, **restarts,
     )
 
 
-def _parse_restarts(args: argparse.Namespace, np: int | None) -> dict[str, Any]:
+def _parse_restarts(args: argparse.Namespace, np: int | None) -> Restarts:
     """``--max-restarts``, ``--restart-on-error``, ``--capacity-wait``, ``--checkpoint-dir``."""
     max_restarts = getattr(args, "max_restarts", None)
     if max_restarts is not None and np is None:
@@ -194,8 +188,8 @@ def _parse_restarts(args: argparse.Namespace, np: int | None) -> dict[str, Any]:
     folder = getattr(args, "checkpoint_dir", None)
     if folder is not None and np is None:
         raise UsageError("--checkpoint-dir applies to a job of its own: give -np N")
-    return {"max_restarts": max_restarts or 0, "restart_on_error": on_error,
-            "capacity_wait": wait, "checkpoint_dir": folder}
+    return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
+                    capacity_wait=wait, checkpoint_dir=folder)
 
 
 def _restart_arguments(func: Any) -> Any:
@@ -397,15 +391,11 @@ class DistMagics(Magics):
     ) -> Any:
         job: jobs.Handle
         if on is not None:
-            job = on.run_cell(payload, timeout=opts.timeout)
+            job = on.run_cell(payload, timeout=opts.job.timeout)
         else:
             assert opts.np is not None
             try:
-                job = elastic.start(
-                    payload, opts.np, backend=opts.backend, gpu=opts.gpu, timeout=opts.timeout,
-                    env=opts.env, mlflow=opts.mlflow, max_restarts=opts.max_restarts,
-                    restart_on_error=opts.restart_on_error, capacity_wait=opts.capacity_wait,
-                    checkpoint_dir=opts.checkpoint_dir)
+                job = elastic.start(payload, opts.np, opts.job)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         view = None
@@ -530,8 +520,8 @@ class DistMagics(Magics):
                              f"{args.idle_timeout:g}")
         started = time.monotonic()
         try:
-            session = sessions.start(np, backend=args.backend, gpu=args.gpu,
-                                     env=_parse_env(args.env), idle_timeout=args.idle_timeout)
+            options = JobOptions(backend=args.backend, gpu=args.gpu, env=_parse_env(args.env))
+            session = sessions.start(np, options, idle_timeout=args.idle_timeout)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         print(f"session {session.id}: {session.np} ranks ready on {session.launcher.name} in "

@@ -41,6 +41,7 @@ from nbdist.job import (
     unreachable_hint,
 )
 from nbdist.launch import Launcher, backends
+from nbdist.options import JobOptions
 from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
 from nbdist.waiting import wait_loop
 
@@ -66,13 +67,13 @@ def current() -> Session | None:
 
 def start(
     np: int,
+    options: JobOptions | None = None,
     *,
-    backend: str = "auto",
-    gpu: bool | None = None,
-    env: dict[str, str] | None = None,
     idle_timeout: float | None = None,
 ) -> Session:
-    """Start this kernel's session and wait until every rank is ready."""
+    """Start this kernel's session and wait until every rank is ready (``options``: its
+    backend, GPUs and environment; a session's cells have their own timeout)."""
+    options = JobOptions() if options is None else options
     global _current
     with _current_lock:
         if _current is not None and _current.alive:
@@ -80,8 +81,8 @@ def start(
                 f"session {_current.id} is already running ({_current.np} ranks on "
                 f"{_current.launcher.name}); stop it first with %dist_session stop"
             )
-        launcher, n = backends.choose(np, backend)
-        _current = Session(n, launcher, gpu=gpu, env=env, idle_timeout=idle_timeout)
+        launcher, n = backends.choose(np, options.backend)
+        _current = Session(n, launcher, options, idle_timeout=idle_timeout)
     _current.wait_ready(START_S)
     return _current
 
@@ -108,9 +109,8 @@ class Session:
         self,
         np: int,
         launcher: Launcher,
+        options: JobOptions | None = None,
         *,
-        gpu: bool | None = None,
-        env: dict[str, str] | None = None,
         idle_timeout: float | None = None,
     ) -> None:
         self._ready: set[int] = set()
@@ -128,9 +128,10 @@ class Session:
         self._idle_timer: threading.Timer | None = None
         self._lock = threading.Lock()
         self._dead: RankOutcome | None = None  # the rank whose death broke the session
-        #: The session's ranks. Their events may come before this is set: the hooks below
-        #: get the job they come from.
-        self.job = Job(None, np, launcher, gpu=gpu, env=env, owner=self)
+        #: The session's ranks, started once the session holds them (the hooks below still
+        #: get the job they come from).
+        self.job = Job(None, np, launcher, options, owner=self)
+        self.job.start()
         self._arm_idle()
 
     # -- the ranks ----------------------------------------------------------------------------

@@ -391,3 +391,22 @@ def test_forks_while_the_output_is_being_flushed_never_hang(
     expected = [text for k in range(50) for text in [*(f"p {k} {i}" for i in range(2_000)),
                                                      f"c {k}"]]
     assert [line.text for line in job.state.ranks[0].log] == expected
+
+
+def test_a_job_is_built_without_launching_and_starts_when_asked() -> None:
+    """Building a Job starts no rank and lists nothing; ``start()`` launches it, once asked."""
+    from nbdist import job as jobs
+    from nbdist.launch.local import LocalLauncher
+    from nbdist.options import JobOptions
+
+    def rank() -> int:
+        import os
+
+        return int(os.environ["RANK"])
+
+    job = jobs.Job({"kind": "call", "fn": rank, "args": (), "kwargs": {}}, 2, LocalLauncher(),
+                   JobOptions(label="built"))
+    assert not job.done() and job not in jobs.jobs() and job.label == "built"
+    assert not rank_processes()
+    assert job.start() is job
+    assert job.results == [0, 1] and job in jobs.jobs()

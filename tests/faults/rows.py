@@ -311,7 +311,7 @@ def misdirected_job(target: Target, src: str, np: int = 2) -> tuple[Job, Misdire
     """A job whose ranks cannot reach the driver's event server (see :class:`Misdirected`)."""
     launcher = Misdirected(choose_launcher(np, target.backend)[0])
     payload: CallPayload = {"kind": "call", "fn": define(src), "args": (), "kwargs": {}}
-    return Job(payload, np, launcher), launcher
+    return Job(payload, np, launcher).start(), launcher
 
 
 UNREACHABLE = """
