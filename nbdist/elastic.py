@@ -33,7 +33,7 @@ from typing import Any
 
 from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
-from nbdist.errors import CapacityError, DistributedError, LaunchError
+from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason
 from nbdist.launch import backends
 from nbdist.options import JobOptions, Restarts
 from nbdist.protocol import CallPayload, Payload, RankOutcome
@@ -159,7 +159,7 @@ def judge(end: AttemptEnd, *, restart_on_error: bool = False) -> Verdict:
 
 
 # -- the job --------------------------------------------------------------------------------------
-class ElasticJob:
+class ElasticJob(jobs.Handle):
     """A job whose rank group is launched again after a fault, up to ``max_restarts`` times.
 
     Used like a :class:`~nbdist.job.Job` (``result()``, ``results``, ``cancel()``, ``wait()``,
@@ -173,6 +173,7 @@ class ElasticJob:
         np: int,
         options: JobOptions,
     ) -> None:
+        super().__init__()
         restarts = options.restarts
         max_restarts, label, timeout = restarts.max_restarts, options.label, options.timeout
         if max_restarts < 0:
@@ -203,8 +204,6 @@ class ElasticJob:
         self.timeout = timeout
         self._stop = threading.Event()
         self._cancel_reason: str | None = None
-        self._done = threading.Event()
-        self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._current = self._attempt(1, launcher, "")
         self.launcher = launcher
@@ -309,7 +308,7 @@ class ElasticJob:
                 self._end(DistributedError(
                     f"job {self.id} could not restart: the backend did not have the slots for "
                     f"{self.np} ranks within {bound}: {short}\n" + self._attempts_text(),
-                    job_id=self.id, reason="failed"))
+                    job_id=self.id, reason=Reason.FAILED))
                 return None
             self._state.set_note(
                 f"attempt {number} of {self._state.total} waiting for {self.np} slots, {free} "
@@ -324,7 +323,7 @@ class ElasticJob:
             self._error = error
         if error is None:
             final, reason = state.DONE, self._current.lost_output or ""
-        elif getattr(error, "reason", "") == "cancelled":
+        elif getattr(error, "reason", "") == Reason.CANCELLED:
             final, reason = state.CANCELLED, str(error)
         else:
             final, reason = state.FAILED, str(error)
@@ -369,7 +368,7 @@ class ElasticJob:
         return DistributedError(
             f"job {self.id} was cancelled ({self._cancel_reason or 'cancelled'}); all "
             f"{self.np} ranks were stopped\n{self._attempts_text()}",
-            job_id=self.id, reason="cancelled")
+            job_id=self.id, reason=Reason.CANCELLED)
 
     # -- what a job offers (jobs.Handle) ----------------------------------------------------
     @property
@@ -380,9 +379,6 @@ class ElasticJob:
     @property
     def gpu(self) -> bool:
         return self._current.gpu
-
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank of the running attempt; no further attempt starts."""
@@ -401,33 +397,9 @@ class ElasticJob:
         return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
                          teardown_s=jobs.TEARDOWN_S)
 
-    def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's value of the attempt that succeeded; raises if every attempt failed."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"job {self.id} is still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._current.result()
-
-    @property
-    def results(self) -> list[Any]:
-        self.result()
-        return self._current.results
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    @property
-    def lost_output(self) -> str | None:
-        return self._current.lost_output
-
-    def retained_bytes(self) -> int:
-        # Nothing until the job is over: an attempt's own end counts its values then.
-        return self._current.retained_bytes() if self._done.is_set() else 0
-
-    def drop_values(self) -> None:
-        self._current.drop_values()
+    def _holder(self) -> jobs.Handle:
+        """The values are the last attempt's (the one that succeeded, if any did)."""
+        return self._current
 
     def __repr__(self) -> str:
         return (f"<nbdist job {self.id}: {self.np} ranks on {self.state.backend}, "

@@ -25,6 +25,7 @@ This module is imported on ranks: standard library only.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import Enum
 
 from nbdist.hints import with_hint
 
@@ -85,6 +86,18 @@ class LaunchError(NbdistError):
     """A backend could not start the ranks."""
 
 
+class Reason(str, Enum):
+    """Why a :class:`DistributedError` ended its job; a ``str``, so ``error.reason ==
+    "timeout"`` holds as it did when the reason was a word."""
+
+    FAILED = "failed"  # a rank failed (an exception, a signal, a lost host)
+    TIMEOUT = "timeout"  # the job ran past --timeout
+    CANCELLED = "cancelled"  # stopped: by the user, the stop button, a session's interrupt
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class DistributedError(RuntimeError):
     """One or more ranks of a distributed job failed, timed out or were cancelled.
 
@@ -92,8 +105,9 @@ class DistributedError(RuntimeError):
     ----------
     job_id : str
         The job that failed.
-    reason : str
-        ``"failed"``, ``"timeout"`` or ``"cancelled"``.
+    reason : Reason
+        ``Reason.FAILED``, ``Reason.TIMEOUT`` or ``Reason.CANCELLED`` (a ``str`` enum: equal
+        to ``"failed"``, ``"timeout"``, ``"cancelled"``).
     failures : dict[int, str]
         Rank → remote traceback (or the exit status and last output lines) of every rank that
         failed on its own; ranks that nbdist tore down afterwards are not in it. A failure
@@ -105,16 +119,16 @@ class DistributedError(RuntimeError):
         message: str,
         *,
         job_id: str = "",
-        reason: str = "failed",
+        reason: Reason | str = Reason.FAILED,
         failures: Mapping[int, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.job_id = job_id
-        self.reason = reason
+        self.reason = Reason(reason)
         self.failures = {rank: with_hint(text) for rank, text in (failures or {}).items()}
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild, (str(self), self.job_id, self.reason, self.failures))
+        return (_rebuild, (str(self), self.job_id, self.reason.value, self.failures))
 
     def _render_traceback_(self) -> list[str]:
         """Let IPython show the ranks' tracebacks instead of nbdist's own frames."""

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbdist import _pickling, channel, events, launch, state, timeline, tracking
-from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
+from nbdist.errors import (
+    DistributedError,
+    LaunchError,
+    OutputLostWarning,
+    Reason,
+    ValuesDroppedError,
+)
 from nbdist.launch import Launcher, backends
 from nbdist.launch.payload import payload_env, payload_modules
 from nbdist.options import JobOptions
@@ -57,36 +63,117 @@ def new_id(prefix: str = "j") -> str:
     """A job id not used before in this kernel (``j1``, ``j2``, ...)."""
     return f"{prefix}{next(_ids)}"
 
-class Handle(Protocol):
-    """What the magics and views use of a job: a :class:`Job`, or a session's cell."""
+class Handle:
+    """What the magics and views use of work on ranks: a :class:`Job`, a session's cell
+    (``session.SessionCell``) or a job that restarts (``elastic.ElasticJob``), in the mould of
+    :class:`concurrent.futures.Future`: :meth:`done`, :meth:`wait`, :meth:`result`,
+    :meth:`exception`, :meth:`cancel`.
+
+    What the work gave back is kept here and read here, once for all three: the error it ended
+    with, every rank's value and their pickled size, whether the values were let go
+    (``HISTORY_BYTES``), what output never reached the notebook. A subclass writes them as its
+    work ends, then sets ``_done``; it says how to wait (:meth:`wait`: the one wait loop,
+    ``nbdist.waiting``) and to cancel (:meth:`cancel`). Where another handle holds the values
+    (a job that restarts: its last attempt), the subclass names it with the one override hook,
+    :meth:`_holder`.
+    """
 
     id: str
     np: int
     state: state.JobState
+    #: What the messages call it ("job", "cell").
+    noun = "job"
 
-    def done(self) -> bool: ...
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._values: dict[int, Any] = {}  # rank → value, once the work is over
+        self._size = 0  # pickled size of _values
+        self._dropped = False
+        self._lost: str | None = None  # what output never reached the notebook, in words
+        self._warned = False
+        self._values_lock = threading.Lock()
 
-    def cancel(self, reason: str = ...) -> None: ...
-
+    # -- what a subclass says ------------------------------------------------------------------
     def wait(
         self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
-    ) -> bool: ...
+    ) -> bool:
+        """Block until the work is over (True) or ``timeout`` passed (False); ``on_tick`` is
+        called about ten times a second meanwhile (views render there)."""
+        raise NotImplementedError
 
-    def result(self, timeout: float | None = None) -> Any: ...
+    def cancel(self, reason: str = "cancelled by the user") -> None:
+        """Stop the work on every rank; it ends as cancelled."""
+        raise NotImplementedError
+
+    def _holder(self) -> Handle:
+        """The handle that holds the values (this one, or a job's last attempt)."""
+        return self
+
+    # -- written once --------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once every rank has ended and the outcome is known."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Rank 0's value; raises :class:`DistributedError` if the work failed, and
+        TimeoutError if it still runs after ``timeout`` seconds."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"{self.noun} {self.id} is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        holder = self._holder()
+        if holder is not self:
+            return holder.result()
+        if self._dropped:
+            raise dropped_error(self.id)
+        if self._lost is not None and not self._warned:
+            self._warned = True
+            warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
+        return self._values.get(0)
 
     @property
-    def results(self) -> list[Any]: ...
+    def results(self) -> list[Any]:
+        """Every rank's value, index = rank (waits for the work)."""
+        self.result()
+        holder = self._holder()
+        return [holder._values.get(r) for r in range(holder.np)]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error the work ended with (None: it succeeded), once it is over."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"{self.noun} {self.id} is still running after {timeout} s")
+        return self._error
 
     @property
-    def error(self) -> BaseException | None: ...
+    def error(self) -> BaseException | None:
+        """The error the work ended with; None while it runs and when it succeeded."""
+        return self._error
+
+    @property
+    def lost_output(self) -> str | None:
+        """What the ranks printed or reported that never reached the notebook, in words."""
+        holder = self._holder()
+        return self._lost if holder is self else holder.lost_output
 
     def retained_bytes(self) -> int:
         """Pickled size of the values it holds (0 when it holds none)."""
-        ...
+        holder = self._holder()
+        if holder is self:
+            return self._size
+        # Nothing until the work is over: the holder's own end counts its values then.
+        return holder.retained_bytes() if self._done.is_set() else 0
 
     def drop_values(self) -> None:
-        """Let its values go (see ``HISTORY_BYTES``)."""
-        ...
+        """Let its values go (see ``HISTORY_BYTES``): ``result()`` then says so."""
+        holder = self._holder()
+        if holder is not self:
+            holder.drop_values()
+            return
+        with self._values_lock:
+            self._dropped = True
+            self._values, self._size = {}, 0
+        self.state.values_dropped = True
 
 
 _jobs: OrderedDict[str, Handle] = OrderedDict()
@@ -172,7 +259,7 @@ class Owner(Protocol):
         ...
 
 
-class Job:
+class Job(Handle):
     """A distributed job: ``np`` ranks running one payload.
 
     Use :meth:`result` for rank 0's value, :attr:`results` for every rank's, :meth:`cancel`
@@ -190,6 +277,7 @@ class Job:
         job_state: state.JobState | None = None,
         world_env: dict[str, str] | None = None,
     ) -> None:
+        super().__init__()
         options = JobOptions() if options is None else options
         #: How the job runs (its ``backend`` was chosen already: ``launcher``).
         self.options = options
@@ -230,13 +318,6 @@ class Job:
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
-        self._done = threading.Event()
-        self._results: list[Any] = []
-        self._size = 0  # pickled size of _results
-        self._dropped = False
-        self._error: BaseException | None = None
-        self._lost: str | None = None  # what output never reached the notebook, in words
-        self._warned = False
         self._started = time.monotonic()
         #: Ranks the driver stopped hearing from while their connection stayed open (a host
         #: or network cut off), by host: they are what the job's error names.
@@ -475,11 +556,11 @@ class Job:
         elif any(o.status == RankStatus.CANCELLED for o in outcomes):
             error = DistributedError(
                 f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
-                f"were stopped", job_id=self.id, reason="cancelled",
+                f"were stopped", job_id=self.id, reason=Reason.CANCELLED,
             )
         if error is None:
             try:
-                self._results = [self._load(o) for o in outcomes]
+                self._values = {o.rank: self._load(o) for o in outcomes}
             except DistributedError as exc:
                 error = exc
             else:
@@ -492,7 +573,7 @@ class Job:
                                      reason=error.reason, failures=error.failures)
         self._error = error
         final = state.DONE if error is None else (
-            state.CANCELLED if getattr(error, "reason", "") == "cancelled" else state.FAILED
+            state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else state.FAILED
         )
         if self._mlflow is not None:
             self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
@@ -512,7 +593,7 @@ class Job:
                 f"in the notebook: {type(exc).__name__}: {exc}. Return plain values "
                 f"(numbers, lists, numpy arrays, CPU tensors, state dicts) from the cell, or "
                 f"make the class importable in the notebook.",
-                job_id=self.id, reason="failed", failures={outcome.rank: str(exc)},
+                job_id=self.id, reason=Reason.FAILED, failures={outcome.rank: str(exc)},
             ) from None
 
     def _failure_error(self, failed: list[RankOutcome]) -> DistributedError:
@@ -543,7 +624,7 @@ class Job:
         if stopped:
             msg += f"; nbdist stopped ranks {', '.join(map(str, sorted(stopped)))}"
         return DistributedError(
-            msg, job_id=self.id, reason="failed",
+            msg, job_id=self.id, reason=Reason.FAILED,
             failures={o.rank: o.describe() for o in ordered},
         )
 
@@ -567,7 +648,7 @@ class Job:
         )
         if stopped:
             msg += f"; nbdist stopped ranks {', '.join(map(str, stopped))}"
-        return DistributedError(msg, job_id=self.id, reason="failed", failures=failures)
+        return DistributedError(msg, job_id=self.id, reason=Reason.FAILED, failures=failures)
 
     def _timeout_error(self) -> DistributedError:
         running = getattr(self, "_running_at_cancel", [])
@@ -581,7 +662,7 @@ class Job:
         return DistributedError(
             f"job {self.id} timed out after {self.timeout:g} s (--timeout); ranks still "
             f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped",
-            job_id=self.id, reason="timeout", failures=failures,
+            job_id=self.id, reason=Reason.TIMEOUT, failures=failures,
         )
 
     # -- public -----------------------------------------------------------------------------
@@ -599,10 +680,6 @@ class Job:
         """Send ``event`` to ``rank`` on the event channel; False if it is not connected."""
         return self._server.send(self.id, rank, event)
 
-    def done(self) -> bool:
-        """True once every rank has ended and the job's outcome is known."""
-        return self._done.is_set()
-
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled."""
         if not self._done.is_set():
@@ -619,37 +696,6 @@ class Job:
         return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
                          teardown_s=TEARDOWN_S)
 
-    def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's value; raises :class:`DistributedError` if the job failed."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"job {self.id} is still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        if self._dropped:
-            raise dropped_error(self.id)
-        if self._lost is not None and not self._warned:
-            self._warned = True
-            warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
-        return self._results[0]
-
-    @property
-    def results(self) -> list[Any]:
-        """Every rank's value, index = rank (waits for the job)."""
-        self.result()
-        return list(self._results)
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def retained_bytes(self) -> int:
-        return self._size
-
-    def drop_values(self) -> None:
-        self._dropped = True
-        self._results, self._size = [], 0
-        self.state.values_dropped = True
-
     @property
     def outcomes(self) -> dict[int, RankOutcome]:
         """How each rank ended so far (every rank once the job is done), without values."""
@@ -661,11 +707,6 @@ class Job:
         """Ranks the driver stopped hearing from while they were connected, with their host."""
         with self._lock:
             return dict(self._unheard)
-
-    @property
-    def lost_output(self) -> str | None:
-        """What the ranks printed or reported that never reached the notebook, in words."""
-        return self._lost
 
     def __repr__(self) -> str:
         where = f"{self.np} ranks on {self.launcher.name}"

@@ -31,11 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist import _pickling, channel, state, values
-from nbdist.errors import DistributedError
+from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
+    Handle,
     Job,
-    dropped_error,
     register,
     retain,
     unreachable_hint,
@@ -298,7 +298,7 @@ class Session:
             failures = {dead.rank: dead.describe()} if dead is not None else {}
             cell.end(DistributedError(
                 f"session {job.id} ended while cell {cell.id} ran: "
-                f"{self.broken or job.cancel_reason}", job_id=cell.id, reason="failed",
+                f"{self.broken or job.cancel_reason}", job_id=cell.id, reason=Reason.FAILED,
                 failures=failures,
             ))
         self._ready_event.set()
@@ -319,7 +319,7 @@ class Session:
         if cell is not None:
             cell.end(DistributedError(
                 f"cell {cell.id} was stopped with its session {self.id} ({reason})",
-                job_id=cell.id, reason="cancelled",
+                job_id=cell.id, reason=Reason.CANCELLED,
             ))
         for rank in range(self.np):
             self.job.send(rank, {"t": "quit"})
@@ -367,12 +367,15 @@ class Session:
         return f"<nbdist session {self.id}: {self.np} ranks on {self.launcher.name}, {how}>"
 
 
-class SessionCell:
+class SessionCell(Handle):
     """One cell run on a session's ranks: used like a :class:`~nbdist.job.Job` (``Handle``)."""
+
+    noun = "cell"
 
     def __init__(
         self, session: Session, cell_id: str, timeout: float | None, label: str
     ) -> None:
+        super().__init__()
         self.id = cell_id
         self.session = session
         self.np = session.np
@@ -387,15 +390,10 @@ class SessionCell:
         self._lock = threading.Lock()
         self._number = int(cell_id.rpartition(".")[2])
         self._incoming: dict[int, values.Receiver] = {}  # rank → its value, arriving
-        self._values: dict[int, Any] = {}
-        self._size = 0  # pickled size of _values
-        self._dropped = False
         self._errors: dict[int, str] = {}
         self._first_error: int | None = None
         self._interrupted: str | None = None
         self._grace: threading.Timer | None = None
-        self._done = threading.Event()
-        self._error: BaseException | None = None
         self._timer: threading.Timer | None = None
         if timeout is not None:
             self._timer = threading.Timer(timeout, self.cancel,
@@ -508,12 +506,12 @@ class SessionCell:
                         else f" (ranks {', '.join(map(str, others))} were interrupted after it)")
             msg += f"; session {self.session.id} is still running"
             failures = {first: self._errors[first]}
-            self.end(DistributedError(msg, job_id=self.id, reason="failed", failures=failures))
+            self.end(DistributedError(msg, job_id=self.id, reason=Reason.FAILED, failures=failures))
         elif self._errors:
             self.end(DistributedError(
                 f"cell {self.id} was interrupted ({self._interrupted}) on ranks "
                 f"{', '.join(map(str, sorted(self._errors)))}; session {self.session.id} is "
-                f"still running, its variables intact", job_id=self.id, reason="cancelled",
+                f"still running, its variables intact", job_id=self.id, reason=Reason.CANCELLED,
             ))
         else:
             self.end(None)
@@ -531,7 +529,7 @@ class SessionCell:
         if error is None:
             final = state.DONE
         else:
-            final = state.CANCELLED if getattr(error, "reason", "") == "cancelled" else (
+            final = state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else (
                 state.FAILED)
         for r in range(self.np):
             if r not in self._values and r not in self._errors:
@@ -546,9 +544,6 @@ class SessionCell:
             retain(self)
 
     # -- the Handle interface -------------------------------------------------------------------
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""
@@ -591,35 +586,6 @@ class SessionCell:
             teardown_s=INTERRUPT_GRACE_S + STOP_S,
             force=lambda: self.session._fail(f"interrupted twice while cell {self.id} ran"),
         )
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's value; raises :class:`DistributedError` if the cell failed."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"cell {self.id} is still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        if self._dropped:
-            raise dropped_error(self.id)
-        return self._values.get(0)
-
-    @property
-    def results(self) -> list[Any]:
-        """Every rank's value, index = rank."""
-        self.result()
-        return [self._values.get(r) for r in range(self.np)]
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    def retained_bytes(self) -> int:
-        return self._size
-
-    def drop_values(self) -> None:
-        with self._lock:
-            self._dropped = True
-            self._values, self._size = {}, 0
-        self.state.values_dropped = True
 
     def __repr__(self) -> str:
         return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.status}>"

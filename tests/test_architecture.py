@@ -186,3 +186,17 @@ def test_the_views_read_only_the_model() -> None:
     """``views/`` renders the driver's model (state, its series, timeline, resources and the
     protocol's types), never the job, session, restart or launch layers that feed it."""
     assert _graph()["views/"] <= MODEL, sorted(_graph()["views/"] - MODEL)
+
+
+def test_jobs_session_cells_and_restarting_jobs_share_one_result_handle() -> None:
+    """Job, SessionCell and ElasticJob are ``job.Handle`` and none of them writes what the base
+    writes once (result, results, error, retained_bytes, drop_values, done) again."""
+    from nbdist.elastic import ElasticJob
+    from nbdist.job import Handle, Job
+    from nbdist.session import SessionCell
+
+    once = {"result", "results", "exception", "error", "lost_output", "retained_bytes",
+            "drop_values", "done"}
+    for cls in (Job, SessionCell, ElasticJob):
+        assert issubclass(cls, Handle), cls
+        assert not once & set(vars(cls)), (cls, sorted(once & set(vars(cls))))

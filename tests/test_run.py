@@ -410,3 +410,19 @@ def test_a_job_is_built_without_launching_and_starts_when_asked() -> None:
     assert not rank_processes()
     assert job.start() is job
     assert job.results == [0, 1] and job in jobs.jobs()
+
+
+def test_a_distributed_error_reason_is_an_enum_equal_to_its_word() -> None:
+    """DistributedError.reason is a Reason, a str enum equal to and printed as its word, kept
+    through pickling; a reason that is none of them is refused."""
+    import pickle
+
+    from nbdist.errors import Reason
+
+    err = nbdist.DistributedError("x", job_id="j1", reason="timeout")
+    assert err.reason == "timeout" and f"{err.reason}" == "timeout"
+    assert err.reason is Reason.TIMEOUT
+    again = pickle.loads(pickle.dumps(err))
+    assert again.reason is Reason.TIMEOUT and again.job_id == "j1"
+    with pytest.raises(ValueError):
+        nbdist.DistributedError("x", reason="bored")
