@@ -37,12 +37,16 @@ class NbdistError(Exception):
     """nbdist could not do what was asked (not a failure of the user's code on a rank)."""
 
 
-class CaptureError(NbdistError):
-    """A name the cell uses cannot be shipped to the ranks, or the cell cannot run on one."""
+class _MessageOnly:
+    """An error IPython shows as its message alone: nbdist's frames say nothing about the
+    cell, and the message names the fix."""
 
     def _render_traceback_(self) -> list[str]:
-        """Let IPython show just the message: nbdist's frames say nothing about the cell."""
         return f"{type(self).__name__}: {self}".splitlines()
+
+
+class CaptureError(_MessageOnly, NbdistError):
+    """A name the cell uses cannot be shipped to the ranks, or the cell cannot run on one."""
 
 
 class CellSyntaxError(SyntaxError):
@@ -55,11 +59,8 @@ class CellSyntaxError(SyntaxError):
         return "".join(traceback.format_exception_only(plain)).splitlines()
 
 
-class ValuesDroppedError(NbdistError):
+class ValuesDroppedError(_MessageOnly, NbdistError):
     """A finished job's values were let go to bound the kernel's memory (``job.HISTORY_BYTES``)."""
-
-    def _render_traceback_(self) -> list[str]:
-        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class CaptureWarning(UserWarning):
@@ -75,11 +76,8 @@ class CapacityError(NbdistError):
     """More ranks were asked for than the backend can run at the same time."""
 
 
-class SessionError(NbdistError):
+class SessionError(_MessageOnly, NbdistError):
     """The session cannot run the cell: it is broken, stopped, or busy with another cell."""
-
-    def _render_traceback_(self) -> list[str]:
-        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class LaunchError(NbdistError):

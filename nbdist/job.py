@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbdist import _pickling, channel, events, launch, state, timeline, tracking
+from nbdist._timer import after
 from nbdist.errors import (
     DistributedError,
     LaunchError,
@@ -360,10 +361,7 @@ class Job(Handle):
             self._server.remove_job(self.id)
             raise
         if timeout is not None:
-            timer = threading.Timer(timeout, self._on_timeout)
-            timer.daemon = True
-            timer.start()
-            self._timer = timer
+            self._timer = after(timeout, self._on_timeout)
         if self._heartbeat is not None:
             threading.Thread(target=self._keepalive, args=(self._heartbeat,), daemon=True,
                              name=f"nbdist-keepalive-{self.id}").start()

@@ -1,7 +1,8 @@
 """The IPython magics: parse options, turn them into one call of the engine, show the result.
 
-Capture lives in ``capture/``, launching in ``job.py`` and ``launch/``, rendering in
-``views/``.
+Options become one ``options.JobOptions`` (``parse_options``); capture lives in ``capture/``,
+the backend's choice in ``launch/backends.py``, launching in ``job.py`` and ``launch/``,
+rendering in ``views/``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The typed contract between the notebook (driver) and its ranks.
 
 Everything that crosses a process boundary is defined here once, and both sides import it: the
-driver side (``job``, ``session``, ``events``' server, ``state``, ``views``) and the rank side
-(``rank``, ``runtime``, ``events``' client). This module imports neither side; it uses the
-standard library only, so a rank pays nothing to import it.
+driver side (``job``, ``session``, ``events``, ``state``, ``views``) and the rank side
+(``rank/``: the supervisor, the runtime, the event client). This module imports neither side;
+it uses the standard library only, so a rank pays nothing to import it.
 
 A rank's status moves forward only::
 

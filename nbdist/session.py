@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist import _pickling, channel, state, values
+from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
@@ -335,9 +336,7 @@ class Session:
         with self._lock:
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
-            self._idle_timer = threading.Timer(warn_in, self._idle_warn, args=(self.idle_since,))
-            self._idle_timer.daemon = True
-            self._idle_timer.start()
+            self._idle_timer = after(warn_in, self._idle_warn, self.idle_since)
 
     def _idle_warn(self, since: float) -> None:
         if self.busy is not None or since != self.idle_since or not self.alive:
@@ -352,9 +351,7 @@ class Session:
         # A thread's print reaches the notebook under the cell that ran last.
         print(f"nbdist: {self.warning}", flush=True)
         with self._lock:
-            self._idle_timer = threading.Timer(max(left, 0.0), self._idle_stop, args=(since,))
-            self._idle_timer.daemon = True
-            self._idle_timer.start()
+            self._idle_timer = after(left, self._idle_stop, since)
 
     def _idle_stop(self, since: float) -> None:
         if self.busy is None and since == self.idle_since and self.alive:
@@ -396,10 +393,7 @@ class SessionCell(Handle):
         self._grace: threading.Timer | None = None
         self._timer: threading.Timer | None = None
         if timeout is not None:
-            self._timer = threading.Timer(timeout, self.cancel,
-                                          args=(f"timed out after {timeout:g} s",))
-            self._timer.daemon = True
-            self._timer.start()
+            self._timer = after(timeout, self.cancel, f"timed out after {timeout:g} s")
 
     # -- from the session's channel -----------------------------------------------------------
     def on_rank_end(self, rank: int, event: channel.Event, secret: str) -> None:
@@ -558,9 +552,7 @@ class SessionCell(Handle):
         if again:
             return  # the grace timer below is already running
         self.session.interrupt(self, running)
-        self._grace = threading.Timer(INTERRUPT_GRACE_S, self._stuck, args=(reason,))
-        self._grace.daemon = True
-        self._grace.start()
+        self._grace = after(INTERRUPT_GRACE_S, self._stuck, reason)
 
     def _stuck(self, reason: str) -> None:
         if self._done.is_set():

@@ -53,7 +53,7 @@ class _Scope:
         self.names = names - self.globals - self.nonlocals
 
 
-def _bound_in(body: Iterable[ast.AST]) -> tuple[set[str], set[str], set[str]]:
+def _bound_in(body: Iterable[ast.AST]) -> tuple[set[str], set[str], set[str]]:  # noqa: C901 - one branch per binding statement
     """(names bound, names declared global, names declared nonlocal) in one scope's code,
     without entering nested scopes (but with the walrus targets of its comprehensions)."""
     names: set[str] = set()
@@ -196,7 +196,7 @@ class _Resolver:
             if node.returns is not None:
                 self.visit(node.returns, chain)
 
-    def visit(self, node: ast.AST, chain: list[_Scope]) -> None:
+    def visit(self, node: ast.AST, chain: list[_Scope]) -> None:  # noqa: C901 - one branch per syntax node
         t = type(node)
         if t is ast.Name:
             assert isinstance(node, ast.Name)
@@ -472,7 +472,7 @@ class Flow:
             self.stmt(stmt)
 
     # -- statements --------------------------------------------------------------------------
-    def stmt(self, node: ast.stmt) -> None:
+    def stmt(self, node: ast.stmt) -> None:  # noqa: C901 - one branch per statement
         if isinstance(node, ast.AsyncFor | ast.AsyncWith):
             raise await_error(node.lineno, self.lines)
         if isinstance(node, ast.Expr):
@@ -714,7 +714,7 @@ class Flow:
                 self.bind(sub.name)
 
     # -- expressions -------------------------------------------------------------------------
-    def expr(self, node: ast.AST | None) -> None:
+    def expr(self, node: ast.AST | None) -> None:  # noqa: C901 - one branch per expression
         # the commonest nodes first, tested by exact type (parsed trees have no subclasses)
         if type(node) is ast.Name:
             if type(node.ctx) is not ast.Store:

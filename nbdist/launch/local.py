@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from nbdist import timeline
+from nbdist._timer import after
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity
@@ -284,9 +285,7 @@ class WarmPool:
         """(Re)start the idle countdown; called with the lock held."""
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = threading.Timer(WARM_IDLE_S, self.clear)
-        self._timer.daemon = True
-        self._timer.start()
+        self._timer = after(WARM_IDLE_S, self.clear)
 
     def clear(self) -> None:
         """Let every zygote and idle interpreter go (and wait until each is gone; a zygote

@@ -3,16 +3,19 @@
 The supervisor (``rank/supervisor.py``) starts ``python -c "from nbdist.rank.runtime import
 main; main()"`` in a new process group with two pipes besides stdout and stderr:
 
-- *control in* (supervisor → rank): payload frames, one after another (a warm rank can take
-  several); end of file means the supervisor is gone, and the rank kills its own process group
-  (the parent-death detection horovod uses; it works even when the parent was SIGKILLed);
+- *control in* (supervisor → rank): frames (``protocol.Frame``): optionally "warm" (modules to
+  import while the ranks meet), "env" (the rank's environment and working directory), then
+  payloads one after another (a session's rank takes several), then "quit"; end of file means
+  the supervisor is gone, and the rank kills its own process group (the parent-death
+  detection horovod uses; it works even when the parent was SIGKILLed);
 - *control out* (rank → supervisor): events (progress, metrics, state) and the result or error
   of each payload.
 
 A frame is a 4-byte big-endian length, one byte of kind, and the body. After its last payload
 the runtime flushes stdout/stderr (Python's and C's) and leaves with ``os._exit``: the
 interpreter teardown is skipped because torch 2.13 CPU aborts in it 10-20% of the time after
-the work is done. This module imports only the standard library and cloudpickle.
+the work is done. This module imports only the standard library, cloudpickle and nbdist's
+rank side (``rank/``) and shared modules (``protocol.py``, ``values.py``): never IPython.
 """
 
 from __future__ import annotations
@@ -496,7 +499,7 @@ class _Cells:
 _cells = _Cells()
 
 
-def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:
+def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:  # noqa: C901 - one branch per frame kind
     import cloudpickle
 
     while True:

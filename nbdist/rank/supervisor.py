@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
 from nbdist import channel, protocol, timeline
+from nbdist._timer import after
 from nbdist.lines import LineBatcher, cut_long_lines
 from nbdist.protocol import (
     ErrorRecord,
@@ -708,9 +709,7 @@ class Supervisor:
         # its process group (setsid) can no longer be found through it.
         self._escapees = _descendants(proc.pid)
         self._kill_group(signal.SIGTERM)
-        self._killer = threading.Timer(TERM_GRACE_S, self._kill_group, args=(signal.SIGKILL,))
-        self._killer.daemon = True
-        self._killer.start()
+        self._killer = after(TERM_GRACE_S, self._kill_group, signal.SIGKILL)
 
     def _kill_group(self, sig: int) -> None:
         proc = self._proc

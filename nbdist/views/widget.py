@@ -1,6 +1,6 @@
 """The live panel (ipywidgets 8): one row per rank, per-rank and merged logs, a header.
 
-Hazards this module is built around (measured in a real JupyterLab, see the design notes):
+Hazards this module is built around (measured in a real JupyterLab: docs/monitoring.md):
 
 - Every widget update is a message through the kernel's IOPub channel, and Jupyter drops
   messages above about 100 updates/s per widget group. So nothing is rendered per event: one
