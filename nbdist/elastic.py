@@ -227,10 +227,10 @@ class ElasticJob(jobs.Handle):
         self._state.begin(number, f"{self.id}.{number}", why)
         job = jobs.Job(self._payload, self.np, launcher,
                        dataclasses.replace(self._attempt_options, timeout=timeout),
-                       job_state=self.state, world_env=self._world_env(number))
-        with self._state.lock:
+                       job_state=self.state, world_env=self._world_env(number)).start()
+        with self._state.lock:  # an attempt that could not start has no job (as before)
             self._state.attempts[-1].job_id = job.id
-        return job.start()
+        return job
 
     def _supervise(self) -> None:
         number = 1
