@@ -85,10 +85,8 @@ def parse_status(line: str) -> tuple[str | None, bool, str | None]:
     if job_id is None and (show_timeline or trace is not None):
         raise UsageError("--timeline and --trace need a job: %dist_status JOB --timeline "
                          "(%dist_status lists the jobs)")
-    if trace is not None:
-        folder = os.path.dirname(os.path.abspath(trace))
-        if not os.path.isdir(folder):
-            raise UsageError(f"--trace {trace}: there is no folder {folder!r} to write it in")
+    if trace is not None and (problem := timeline_view.trace_target_problem(trace)) is not None:
+        raise UsageError(f"--trace {trace}: {problem}")
     return job_id, show_timeline, trace
 
 
@@ -458,7 +456,10 @@ class DistMagics(Magics):
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
             if trace is not None:
-                print(timeline_view.export_trace(job.state, trace))
+                try:
+                    print(timeline_view.export_trace(job.state, trace))
+                except timeline_view.TraceTargetError as exc:
+                    raise UsageError(f"--trace {trace}: {exc}") from None
             if show_timeline:
                 display(timeline_view.TimelineReport(job.state))
             if not (show_timeline or trace is not None):
