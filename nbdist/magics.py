@@ -10,6 +10,7 @@ import argparse
 import os
 import shlex
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,8 @@ from nbdist import _logcarry, elastic, events, launch, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
-from nbdist.errors import CellSyntaxError
-from nbdist.protocol import Payload, ScriptPayload
+from nbdist.errors import CellSyntaxError, PullWarning
+from nbdist.protocol import Payload, Pulled, ScriptPayload
 from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
@@ -550,10 +551,18 @@ class DistMagics(Magics):
             raise UsageError(f"--rank {args.rank}: session {session.id} has ranks 0 to "
                              f"{session.np - 1}")
         cell = session.run_cell({"kind": "pull", "name": args.name, "rank": args.rank})
-        value = cell.results[args.rank]
+        pulled: Pulled = cell.results[args.rank]
+        value = pulled.value
         assert self.shell is not None
         self.shell.user_ns[args.name] = value
         print(f"{args.name} = rank {args.rank}'s {type(value).__name__}")
+        if pulled.threads:
+            warnings.warn(PullWarning(
+                f"rank {args.rank} was running threads that the session's cells started "
+                f"({', '.join(pulled.threads)}) while {args.name} was read and sent: if they "
+                f"change it, {args.name} may mix moments (elements from before and after a "
+                f"change). Pull it once they are done, or pull a copy they make under a lock"),
+                stacklevel=1)
 
     @magic_arguments()
     @argument("names", nargs="+", help="the notebook variables to send")
