@@ -218,11 +218,10 @@ def test_an_idle_zygote_goes(
     monkeypatch.setenv("NBDIST_WARM_IDLE_S", "5")  # read on the driver at each launch
     _until_forked(2)
     (zygote,) = zygotes(spark_mark)
+    (path,) = _listening(zygote)  # its own: other checkouts' zygotes of this uid share the folder
     wait_for(lambda: not zygote.is_running(), 60, "the idle zygote to go")
-    directory = executor_zygote.socket_dir()
-    assert not [n for n in os.listdir(directory) if n.endswith(".sock")
-                and os.path.exists(os.path.join(directory, n[:-5] + ".lock"))], \
-        "the zygote left its socket behind"
+    assert not os.path.exists(path), "the zygote left its socket behind"
+    assert not os.path.exists(path[:-5] + ".lock"), "the zygote left its lock file behind"
 
 
 def _executor_jvms(mark: str) -> list[psutil.Process]:
