@@ -21,6 +21,10 @@ Python, the working directory, the whole environment, the installation's stamp a
 process attributes. Who may use it: a peer of the same uid
 (``SO_PEERCRED``, both ways) that answers a challenge with HMAC-SHA256 of the application's
 secret (32 random bytes the driver makes per SparkContext and ships in the task's closure).
+Whatever a connection sends, handling it never ends the zygote: one that breaks the protocol
+in any way (garbage, deep nesting, wrong types), or has not proved the secret within
+``AUTH_DEADLINE_S``, is closed and counted (``rejected``, told in each ``ready``); until it
+proves the secret a connection is not work for the idle timer.
 One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
 (mac, modules to import) → ``ready``; task → ``fork`` with the rank's four pipes (SCM_RIGHTS)
 → ``forked``; later ``exit`` with the rank's exit code (the zygote is its parent and guardian).
