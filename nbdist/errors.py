@@ -16,7 +16,8 @@ The tree::
 
     UserWarning
      ├── CaptureWarning         a value the cell uses is large (every rank gets a copy)
-     └── OutputLostWarning      ranks ran, but their live output did not reach the notebook
+     ├── OutputLostWarning      ranks ran, but their live output did not reach the notebook
+     └── PullWarning            a pulled value may mix moments: threads of the rank ran
 
 Bad user input to a magic is IPython's own ``UsageError``, raised by ``magics.py``.
 This module is imported on ranks: standard library only.
@@ -65,6 +66,11 @@ class ValuesDroppedError(_MessageOnly, NbdistError):
 
 class CaptureWarning(UserWarning):
     """A value the cell uses is large: every rank receives a copy when it starts."""
+
+
+class PullWarning(UserWarning):
+    """``%dist_pull`` read a value while threads that the session's cells started were running
+    on that rank: if they change it, what came back may mix moments (torn)."""
 
 
 class OutputLostWarning(UserWarning):

@@ -11,6 +11,7 @@ import argparse
 import os
 import shlex
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +25,10 @@ from nbdist import _logcarry, elastic, events, launch, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
-from nbdist.errors import CellSyntaxError
+from nbdist.errors import CellSyntaxError, PullWarning
 from nbdist.launch import backends
 from nbdist.options import JobOptions, Restarts
-from nbdist.protocol import Payload, ScriptPayload
+from nbdist.protocol import Payload, Pulled, ScriptPayload
 from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
@@ -81,10 +82,8 @@ def parse_status(line: str) -> tuple[str | None, bool, str | None]:
     if job_id is None and (show_timeline or trace is not None):
         raise UsageError("--timeline and --trace need a job: %dist_status JOB --timeline "
                          "(%dist_status lists the jobs)")
-    if trace is not None:
-        folder = os.path.dirname(os.path.abspath(trace))
-        if not os.path.isdir(folder):
-            raise UsageError(f"--trace {trace}: there is no folder {folder!r} to write it in")
+    if trace is not None and (problem := timeline_view.trace_target_problem(trace)) is not None:
+        raise UsageError(f"--trace {trace}: {problem}")
     return job_id, show_timeline, trace
 
 
@@ -450,7 +449,10 @@ class DistMagics(Magics):
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
             if trace is not None:
-                print(timeline_view.export_trace(job.state, trace))
+                try:
+                    print(timeline_view.export_trace(job.state, trace))
+                except timeline_view.TraceTargetError as exc:
+                    raise UsageError(f"--trace {trace}: {exc}") from None
             if show_timeline:
                 display(timeline_view.TimelineReport(job.state))
             if not (show_timeline or trace is not None):
@@ -541,10 +543,18 @@ class DistMagics(Magics):
             raise UsageError(f"--rank {args.rank}: session {session.id} has ranks 0 to "
                              f"{session.np - 1}")
         cell = session.run_cell({"kind": "pull", "name": args.name, "rank": args.rank})
-        value = cell.results[args.rank]
+        pulled: Pulled = cell.results[args.rank]
+        value = pulled.value
         assert self.shell is not None
         self.shell.user_ns[args.name] = value
         print(f"{args.name} = rank {args.rank}'s {type(value).__name__}")
+        if pulled.threads:
+            warnings.warn(PullWarning(
+                f"rank {args.rank} was running threads that the session's cells started "
+                f"({', '.join(pulled.threads)}) while {args.name} was read and sent: if they "
+                f"change it, {args.name} may mix moments (elements from before and after a "
+                f"change). Pull it once they are done, or pull a copy they make under a lock"),
+                stacklevel=1)
 
     @magic_arguments()
     @argument("names", nargs="+", help="the notebook variables to send")

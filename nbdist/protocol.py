@@ -343,6 +343,16 @@ class PullPayload(SessionKeys):
     rank: int
 
 
+@dataclass
+class Pulled:
+    """What ``%dist_pull`` brings back from the rank asked: the value, and the names of the
+    threads that the session's cells started and that were running on that rank while it was
+    read (a value they change may come back torn: ``errors.PullWarning``)."""
+
+    value: Any
+    threads: list[str]
+
+
 class PushPayload(SessionKeys):
     """``%dist_push NAME``: set a session variable on every rank to the notebook's value."""
 

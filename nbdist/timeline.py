@@ -43,7 +43,6 @@ Standard library only: the rank side imports the mark names.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -176,12 +175,3 @@ def chrome_trace(ranks: Iterable[tuple[int, str, Mapping[str, float]]],
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"job": job, "origin": t0,
                           "clock": "time.time() of each host; hosts may be skewed"}}
-
-
-def write_trace(path: str, ranks: Iterable[tuple[int, str, Mapping[str, float]]],
-                job: str = "") -> int:
-    """Write :func:`chrome_trace` to ``path``; the number of phases written."""
-    trace = chrome_trace(ranks, job)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(trace, f, separators=(",", ":"))
-    return sum(1 for e in trace["traceEvents"] if e["ph"] == "X")

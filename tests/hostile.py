@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import resource
+import select
 import selectors
 import socket
 import subprocess
@@ -273,3 +274,94 @@ def flood(server: events.EventServer, n: int, size: int, limit_s: float = 110) -
             reader.join(10)
             attacker.stdout.close()
     return Flood(peak - before, server.rejected - rejected, time.monotonic() - start)
+
+
+# -- the Spark executor zygote's Unix socket (``nbdist.launch.executor_zygote``) -------------------
+# One packet per message (SOCK_SEQPACKET), so the event server's lines become packets: the same
+# malformed inputs, without their newline, plus what only a packet socket carries.
+def zygote_greet(path: str, timeout: float = 30) -> tuple[socket.socket, str]:
+    """A raw connection to an executor zygote's socket, and the nonce of its challenge."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+        return sock, json.loads(sock.recv(1 << 16))["nonce"]
+    except BaseException:
+        sock.close()
+        raise
+
+
+def zygote_hello(path: str, secret: str) -> tuple[socket.socket, dict[str, object]]:
+    """A connection that proved ``secret``, and the zygote's ``ready`` answer."""
+    from nbdist.launch import executor_zygote
+
+    sock, nonce = zygote_greet(path)
+    hello = {"t": "hello", "modules": [], "mac": executor_zygote.mac(secret, nonce)}
+    sock.send(json.dumps(hello).encode())
+    return sock, json.loads(sock.recv(1 << 16) or b"{}")
+
+
+def zygote_rejected(path: str, secret: str) -> int:
+    """How many connections the zygote at ``path`` has closed for breaking its protocol."""
+    sock, ready = zygote_hello(path, secret)
+    sock.close()
+    assert ready.get("t") == "ready", ready
+    return int(ready["rejected"])  # type: ignore[call-overload]
+
+
+def zygote_malformed(secret: str) -> list[tuple[str, Payload, int]]:
+    """(what, payload, how many pipe ends go with it) for every input tried on an executor
+    zygote's socket; ``secret`` is the application's (for the cases that pass the MAC)."""
+    from nbdist.launch import executor_zygote
+
+    def signed(modules: bytes) -> Payload:
+        def build(nonce: str) -> bytes:
+            mac = executor_zygote.mac(secret, nonce).encode()
+            return b'{"t":"hello","mac":"' + mac + b'","modules":' + modules + b"}"
+
+        return build
+
+    cases = [(what, _packet(payload), 0) for what, payload in malformed("j1")]
+    cases += [
+        ("5000 [ with four descriptors", _raw(b"[" * 5000), 4),
+        ("a fork before any hello, with four descriptors",
+         _raw(b'{"t":"fork","sync":"x","job":"j","rank":0,"after_rank0":false}'), 4),
+        ("a packet of 100 KB (more than the zygote reads: cut short)",
+         _raw(b'{"t":"hello","mac":"' + b"0" * 100_000 + b'"}'), 0),
+        ("a hello cut short", _raw(b'{"t":"hello","modules":[],"mac":"'), 0),
+        ("a hello of the right MAC whose modules nest 5000 deep",
+         signed(b"[" * 5000 + b"]" * 5000), 0),
+        ("a hello of the right MAC whose modules are not a list", signed(b"7"), 0),
+        ("a hello of the right MAC whose modules are a dict", signed(b'{"torch":1}'), 0),
+    ]
+    return cases
+
+
+def _packet(payload: Payload) -> Payload:
+    return lambda nonce: payload(nonce).rstrip(b"\n")
+
+
+def zygote_send_each(path: str, cases: list[tuple[str, Payload, int]]) -> list[str]:
+    """Send each case on a connection of its own (with ``n`` write ends of pipes attached);
+    the cases the zygote did NOT close, or whose pipe ends it kept open."""
+    import os
+
+    failed = []
+    for what, payload, n in cases:
+        sock, nonce = zygote_greet(path)
+        pipes = [os.pipe() for _ in range(n)]
+        with sock:
+            try:
+                socket.send_fds(sock, [payload(nonce)], [w for _, w in pipes])
+            except OSError:
+                pass  # closed while we wrote: what we check below
+            for _, w in pipes:
+                os.close(w)
+            if not closed_on_us(sock):
+                failed.append(what)
+        for r, _ in pipes:  # the zygote closed what it was given: end of file here
+            readable, _, _ = select.select([r], [], [], 30)
+            if not readable or os.read(r, 1) != b"":
+                failed.append(f"{what} (its descriptors kept)")
+            os.close(r)
+    return failed

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from nbdist import session as sessions
-from nbdist.errors import DistributedError
+from nbdist.errors import DistributedError, PullWarning, SessionError
 
 from .helpers import GONE_WITHIN_S, rank_processes, run
 
@@ -231,6 +231,24 @@ def test_a_rank_that_exits_outright_breaks_the_session(ip: Any, live: sessions.S
     assert not rank_processes()
 
 
+def test_a_cell_that_closes_the_ranks_stdout_and_stderr_does_not_break_the_next(
+    ip: Any, live: sessions.Session, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A cell that closes fds 1 and 2 (or points them elsewhere) is told they were restored,
+    and the next cells print and return (before: each failed after 2 s with "Bad file
+    descriptor" while the session said it was running)."""
+    assert run(ip, "%%distributed\nimport os\nos.close(1)\nos.close(2)\n5") == 5
+    assert "closed or replaced the rank's stdout and stderr; restored" in capsys.readouterr().out
+    assert run(ip, "%%distributed\nprint('printed again', flush=True)\n6") == 6
+    out = capsys.readouterr().out
+    assert "[rank 0] printed again" in out and "[rank 1] printed again" in out
+    run(ip, "%%distributed\nos.dup2(os.open(os.devnull, os.O_WRONLY), 1)")
+    assert "the rank's stdout; restored" in capsys.readouterr().out
+    assert run(ip, "%%distributed\nprint('and again', flush=True)\n7") == 7
+    assert "[rank 1] and again" in capsys.readouterr().out
+    assert live.alive
+
+
 def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:
     """%dist_push sends a notebook value to every rank; %dist_pull brings one back."""
     run(ip, "weights = {'w': [1.0, 2.0]}")
@@ -240,6 +258,53 @@ def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:
     assert ip.user_ns["weights"] == {"w": [1.0, 2.0], "rank": 1}
     with pytest.raises(DistributedError, match="rank 0 has no variable 'nothing'"):
         run(ip, "%dist_pull nothing")
+    assert live.alive
+
+
+def test_pulling_a_value_threads_of_the_rank_may_be_changing_warns(
+    ip: Any, live: sessions.Session,
+) -> None:
+    """%dist_pull while a thread a session cell started runs on that rank warns that the value
+    may mix moments, naming the thread (before: it came back torn without a word); once the
+    thread is done, the pull is silent."""
+    run(ip, "%%distributed\n"
+            "import threading, time\n"
+            "stop = threading.Event()\n"
+            "x = [0] * 1000\n"
+            "def churn():\n"
+            "    i = 0\n"
+            "    while not stop.is_set():\n"
+            "        i += 1\n"
+            "        x[i % 1000] = i\n"
+            "        time.sleep(0.0001)\n"
+            "feeder = threading.Thread(target=churn, name='churn', daemon=True)\n"
+            "feeder.start()")
+    with pytest.warns(PullWarning, match=r"rank 1 was running threads that the session's "
+                                         r"cells started \(churn\) while x was read"):
+        run(ip, "%dist_pull x --rank 1")
+    assert len(ip.user_ns["x"]) == 1000
+    run(ip, "%%distributed\nstop.set()\nfeeder.join()")
+    run(ip, "%dist_pull x --rank 1")  # no thread left: no warning (warnings are errors here)
+    assert live.alive
+
+
+def test_pulling_while_a_background_cell_runs_is_refused_until_it_ends(
+    ip: Any, live: sessions.Session, tmp_path: Path,
+) -> None:
+    """%dist_pull while a --bg cell of the session runs is refused, naming the cell and how to
+    wait for it (never a value read mid-cell); once the cell ended, the pull has its value."""
+    go = tmp_path / "go"
+    run(ip, "%%distributed\nx = 0")
+    cell = run(ip, "%%distributed --bg\nimport os, time\n"
+                   f"while not os.path.exists({str(go)!r}):\n"
+                   "    time.sleep(0.01)\n"
+                   "x = 1")
+    with pytest.raises(SessionError, match=f"still running cell {cell.id}; wait for it"):
+        run(ip, "%dist_pull x")
+    go.touch()
+    cell.result(timeout=60)
+    run(ip, "%dist_pull x")
+    assert ip.user_ns["x"] == 1
     assert live.alive
 
 

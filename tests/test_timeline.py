@@ -4,6 +4,7 @@ resources each rank's supervisor samples, on real local ranks."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from nbdist.protocol import ResourcesEvent
 from nbdist.views import status
 from nbdist.views import timeline as timeline_view
 
-from .helpers import wait_for
+from .helpers import running_job, wait_for
 
 #: What every rank of a job that prints and returns goes through, in this order.
 LAUNCH = ["schedule", "rendezvous", "spawn", "interpreter", "imports", "first output", "cell",
@@ -144,6 +145,48 @@ def test_status_options_are_parsed_with_errors_that_name_the_fix(tmp_path: Path)
             parse_status(line)
 
 
+@pytest.mark.timeout(30)
+def test_a_trace_is_written_only_to_a_regular_file_beside_and_renamed(tmp_path: Path) -> None:
+    """``--trace PATH`` never opens nor follows PATH: a FIFO nobody reads, a folder, a device, a
+    symbolic link or a file in /proc is a UsageError naming the path and why (before: the
+    kernel blocked for ever, a raw OSError, the link's target overwritten); a regular file is
+    replaced whole, with nothing left beside it."""
+    import os
+
+    job = running_job(2)
+    fifo, folder, target, link = (tmp_path / n for n in ("fifo", "dir", "target", "link"))
+    os.mkfifo(fifo)
+    folder.mkdir()
+    target.write_text("keep me")
+    link.symlink_to(target)
+    bad = [(fifo, "it is a named pipe"), (folder, "it is a folder"),
+           (link, "it is a symbolic link"), (Path("/dev/null"), "it is a device")]
+    for path, why in bad:
+        with pytest.raises(UsageError, match=re.escape(f"--trace {path}: {why}")):
+            parse_status(f"j1 --trace {path}")
+        # Made so after the magic checked it: still refused, and nothing is opened.
+        with pytest.raises(timeline_view.TraceTargetError, match=why):
+            timeline_view.export_trace(job, str(path))
+    assert target.read_text() == "keep me" and link.is_symlink()
+    with pytest.raises(timeline_view.TraceTargetError, match="cannot write a file in /proc/"):
+        timeline_view.export_trace(job, "/proc/self/status")
+    if os.getuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(timeline_view.TraceTargetError,
+                           match=re.escape(f"cannot write a file in {locked}")):
+            timeline_view.export_trace(job, str(locked / "t.json"))
+
+    path = tmp_path / "t.json"
+    path.write_text("old")
+    before = path.stat().st_ino
+    assert timeline_view.export_trace(job, str(path)).startswith(f"wrote {path}: ")
+    assert path.stat().st_ino != before, "written in place, not renamed over"
+    assert json.loads(path.read_text())["otherData"]["job"] == job.id
+    left = {p.name for p in tmp_path.iterdir()} - {"locked"}
+    assert left == {"dir", "fifo", "link", "t.json", "target"}, "something left beside it"
+
+
 def _busy(seconds: float) -> int:
     import os
     import time
@@ -188,4 +231,7 @@ def test_local_ranks_report_resources_and_a_timeline_whose_trace_opens(
     # The same through the magic.
     ip.run_line_magic("dist_status", f"{job.id} --timeline --trace {tmp_path}/magic.json")
     check_trace(json.loads((tmp_path / "magic.json").read_text()), np=2)
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(UsageError, match="it is a folder"):
+        ip.run_line_magic("dist_status", f"{job.id} --trace {tmp_path}/dir")
     assert state.DONE == job.state.status

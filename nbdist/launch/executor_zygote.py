@@ -21,6 +21,10 @@ Python, the working directory, the whole environment, the installation's stamp a
 process attributes. Who may use it: a peer of the same uid
 (``SO_PEERCRED``, both ways) that answers a challenge with HMAC-SHA256 of the application's
 secret (32 random bytes the driver makes per SparkContext and ships in the task's closure).
+Whatever a connection sends, handling it never ends the zygote: one that breaks the protocol
+in any way (garbage, deep nesting, wrong types), or has not proved the secret within
+``AUTH_DEADLINE_S``, is closed and counted (``rejected``, told in each ``ready``); until it
+proves the secret a connection is not work for the idle timer.
 One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
 (mac, modules to import) → ``ready``; task → ``fork`` with the rank's four pipes (SCM_RIGHTS)
 → ``forked``; later ``exit`` with the rank's exit code (the zygote is its parent and guardian).
@@ -72,6 +76,14 @@ MAX_PER_EXECUTOR = 2
 FIRST_WAIT_S = 1.0
 #: The nice value of the imports of a zygote started while a job's rank runs beside it.
 LOW_NICE = 19
+#: A connection must send its hello this soon after it is accepted, or it is closed (and
+#: counted in ``_Server.rejected``): a task sends it as soon as it reads the challenge. Until
+#: then a connection is not work: a silent stranger neither keeps an idle zygote alive past
+#: ``idle_s`` nor holds a descriptor for longer than this (the event server's rule).
+AUTH_DEADLINE_S = 5.0
+#: Most connections waiting for their hello at once; one more closes the one that has waited
+#: longest (counted): a flood of strangers cannot run the zygote out of descriptors.
+MAX_UNAUTHENTICATED = 64
 _PACKET = 1 << 16
 _CHALLENGE = b"nbdist-executor-zygote:"
 
@@ -100,6 +112,7 @@ class ExecutorReadyMsg(TypedDict):
     safe: bool
     why: str
     stale: bool
+    rejected: int  # connections it closed so far for breaking the protocol or its deadline
 
 
 class ExecutorForkMsg(ForkMsg):
@@ -465,6 +478,17 @@ def _live_zygotes(directory: str, mine: int, prefix: str) -> int:
 
 
 # -- the zygote's side ----------------------------------------------------------------------------
+class _Conn:
+    """One connection to the zygote: its socket, the nonce of its challenge, whether it proved
+    the secret, and when it was accepted (its hello is due ``AUTH_DEADLINE_S`` later)."""
+
+    __slots__ = ("sock", "nonce", "authed", "accepted", "closed")
+
+    def __init__(self, sock: socket.socket, nonce: str) -> None:
+        self.sock, self.nonce, self.authed, self.closed = sock, nonce, False, False
+        self.accepted = time.monotonic()
+
+
 class _Server:
     """The zygote's loop: connections, forks, exits, and the reasons to go."""
 
@@ -477,11 +501,14 @@ class _Server:
         self.lock_fd = int(config["lock_fd"])
         self.files = module_files({}, int(config["t0"]))
         self.sel = selectors.PollSelector()
-        self.conns: dict[int, tuple[socket.socket, str, bool]] = {}  # fd: (sock, nonce, authed)
+        self.conns: dict[int, _Conn] = {}  # by the socket's fd, in the order accepted
+        #: Connections closed because they broke the protocol (whatever they sent: garbage, a
+        #: wrong MAC, deep nesting...) or did not say hello within ``AUTH_DEADLINE_S``.
+        self.rejected = 0
         self.ranks: dict[int, socket.socket] = {}  # pid: the connection that asked for it
         #: Jobs whose rank 0 was forked here (the latest few), and forks waiting for theirs.
         self.rank0: list[str] = []
-        self.deferred: list[tuple[float, int, list[int], ExecutorForkMsg]] = []
+        self.deferred: list[tuple[float, _Conn, list[int], ExecutorForkMsg]] = []
         self.retiring = False
         self.idle_since = time.monotonic()
         self.pidfds: list[int] = []
@@ -536,15 +563,19 @@ class _Server:
     def serve(self) -> None:
         self.idle_since = time.monotonic()  # idle from when its first imports are done
         while True:
-            busy = bool(self.conns or self.ranks)
+            # Only a task that proved the secret, or a rank, is work: a stranger that connects
+            # and says nothing keeps no idle zygote alive (it is cut at its hello's deadline).
+            busy = bool(self.ranks) or any(c.authed for c in self.conns.values())
             if busy:
                 self.idle_since = time.monotonic()
             elif self.retiring or time.monotonic() - self.idle_since >= self.idle_s:
                 self._exit()
             timeout = None if busy else max(0.0, self.idle_s
                                             - (time.monotonic() - self.idle_since)) + 0.01
-            if self.deferred:
-                due = max(0.0, min(d for d, _, _, _ in self.deferred) - time.monotonic())
+            dues = [d for d, _, _, _ in self.deferred]
+            dues += [c.accepted + AUTH_DEADLINE_S for c in self.conns.values() if not c.authed]
+            if dues:
+                due = max(0.0, min(dues) - time.monotonic()) + 0.001
                 timeout = due if timeout is None else min(timeout, due)
             for sel_key, _ in self.sel.select(timeout):
                 what = sel_key.data
@@ -557,8 +588,9 @@ class _Server:
                     self._reap()
                 elif what == "accept":
                     self._accept()
-                else:
+                elif what in self.conns:
                     self._message(what)
+            self._expire()
             self._run_deferred()
 
     def _accept(self) -> None:
@@ -566,78 +598,111 @@ class _Server:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        if self.retiring or _peer_uid(conn) != os.getuid():
-            conn.close()
-            return
-        nonce = secrets.token_hex(16)
         try:
-            conn.send(_packet({"t": "challenge", "nonce": nonce}))
+            if self.retiring or _peer_uid(conn) != os.getuid():
+                conn.close()
+                return
+            nonce = secrets.token_hex(16)
+            # Never blocks: a peer that does not read could otherwise stall the zygote.
+            conn.send(_packet({"t": "challenge", "nonce": nonce}), socket.MSG_DONTWAIT)
         except OSError:
             conn.close()
             return
-        self.conns[conn.fileno()] = (conn, nonce, False)
+        waiting = [fd for fd, c in self.conns.items() if not c.authed]
+        if len(waiting) >= MAX_UNAUTHENTICATED:
+            self._drop(waiting[0], rejected=True)  # the one that has waited longest
+        self.conns[conn.fileno()] = _Conn(conn, nonce)
         self.sel.register(conn, selectors.EVENT_READ, conn.fileno())
 
-    def _drop(self, fd: int) -> None:
-        conn, _, _ = self.conns.pop(fd)
-        self.sel.unregister(conn)
-        conn.close()
+    def _expire(self) -> None:
+        """Close the connections that did not say hello within ``AUTH_DEADLINE_S``."""
+        late = time.monotonic() - AUTH_DEADLINE_S
+        for fd in [fd for fd, c in self.conns.items() if not c.authed and c.accepted <= late]:
+            self._drop(fd, rejected=True)
+
+    def _drop(self, fd: int, *, rejected: bool = False) -> None:
+        conn = self.conns.pop(fd, None)
+        if conn is None:
+            return
+        conn.closed = True
+        if rejected:
+            self.rejected += 1
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        conn.sock.close()
 
     def _message(self, fd: int) -> None:
-        conn, nonce, authed = self.conns[fd]
+        """Read and handle one packet; whatever goes wrong closes that connection (counted in
+        ``rejected``), never the zygote: its ranks and the next tasks depend on it."""
         try:
-            data, fds, _, _ = socket.recv_fds(conn, _PACKET, 4)
+            data, fds, _, _ = socket.recv_fds(self.conns[fd].sock, _PACKET, 4)
         except OSError:
             data, fds = b"", []
         try:
-            msg = json.loads(data) if data else None
-        except ValueError:
-            msg = None
+            if not self._handle(fd, data, fds):
+                self._drop(fd, rejected=bool(data))  # an empty read: the peer closed
+        except Exception:  # RecursionError from json, a field of the wrong type, ...
+            self._drop(fd, rejected=True)
+        finally:
+            for extra in fds:  # those not handed over to a fork (which empties the list)
+                with contextlib.suppress(OSError):
+                    os.close(extra)
+
+    def _handle(self, fd: int, data: bytes, fds: list[int]) -> bool:
+        """Handle one packet from a connection; False: close it. The descriptors that came
+        with it are taken out of ``fds`` when a fork takes them over."""
+        conn = self.conns[fd]
+        if not data:
+            return False
+        msg = json.loads(data)  # bytes: invalid UTF-8 is a ValueError like bad JSON
         if not isinstance(msg, dict):
-            for extra in fds:
-                os.close(extra)
-            self._drop(fd)
-            return
+            return False
         # A TaskMsg, checked field by field as it is read: the peer is only known to be of
         # this uid until its hello proves it knows the secret.
-        if not authed:
-            for extra in fds:
-                os.close(extra)
+        if not conn.authed:
             hello = cast(HelloMsg, msg)
-            if hello.get("t") != "hello" or not hmac.compare_digest(
-                    str(hello.get("mac", "")), mac(self.secret, nonce)):
-                self._drop(fd)
-                return
-            self.conns[fd] = (conn, nonce, True)
-            modules = [str(m) for m in hello.get("modules", []) if isinstance(m, str)]
-            safe, why, stale = self._warm(modules)
-            self._answer(conn, {"t": "ready", "safe": safe, "why": why, "stale": stale})
+            given = hello.get("mac")
+            if hello.get("t") != "hello" or not isinstance(given, str) or not given.isascii() \
+                    or not hmac.compare_digest(given, mac(self.secret, conn.nonce)):
+                return False
+            modules = hello.get("modules", [])
+            if not isinstance(modules, list):
+                return False
+            conn.authed = True
+            safe, why, stale = self._warm([m for m in modules if isinstance(m, str)])
+            self._answer(conn.sock, {"t": "ready", "safe": safe, "why": why, "stale": stale,
+                                     "rejected": self.rejected})
         elif msg.get("t") == "fork":
             fork = cast(ExecutorForkMsg, msg)
             job = str(fork.get("job", ""))
-            if fork.get("after_rank0") and job not in self.rank0 and len(fds) == 4:
-                self.deferred.append((time.monotonic() + FIRST_WAIT_S, fd, fds, fork))
-                return
-            self._fork_for(fd, fds, fork)
+            taken = fds[:]
+            fds.clear()
+            if fork.get("after_rank0") and job not in self.rank0 and len(taken) == 4:
+                self.deferred.append((time.monotonic() + FIRST_WAIT_S, conn, taken, fork))
+                return True
+            self._fork_for(conn, taken, fork)
+        return True
 
-    def _fork_for(self, fd: int, fds: list[int], msg: ExecutorForkMsg) -> None:
+    def _fork_for(self, conn: _Conn, fds: list[int], msg: ExecutorForkMsg) -> None:
         """Fork the rank a connection asked for (with its four pipes) and answer it."""
-        entry = self.conns.get(fd)
+        entry = None if conn.closed else conn
         pid = None
-        if entry is not None and self.safe and not self.retiring and len(fds) == 4:
-            pid = self._fork(entry[0], fds, str(msg.get("sync", "")))
-        for extra in fds:
-            os.close(extra)
+        try:
+            if entry is not None and self.safe and not self.retiring and len(fds) == 4:
+                pid = self._fork(entry.sock, fds, str(msg.get("sync", "")))
+        finally:
+            for extra in fds:
+                os.close(extra)
         if entry is None:  # it went while its fork waited for rank 0's
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
             return
         if pid is not None:
-            self.ranks[pid] = entry[0]
+            self.ranks[pid] = entry.sock
             if msg.get("rank") == 0:
                 self.rank0 = [*self.rank0[-31:], str(msg.get("job", ""))]
-        self._answer(entry[0], {"t": "forked", "pid": pid})
+        self._answer(entry.sock, {"t": "forked", "pid": pid})
 
     def _run_deferred(self) -> None:
         """Forks whose rank 0 was forked meanwhile, or that waited ``FIRST_WAIT_S``."""
@@ -646,7 +711,12 @@ class _Server:
                if d[0] <= now or str(d[3].get("job", "")) in self.rank0]
         for entry in due:  # the others stay listed: each fork's child closes their pipes
             self.deferred.remove(entry)
-            self._fork_for(entry[1], entry[2], entry[3])
+            try:
+                self._fork_for(entry[1], entry[2], entry[3])
+            except Exception:  # a failed fork (out of memory, of processes): that task's
+                # rank starts fresh; the zygote serves on
+                if not entry[1].closed:
+                    self._drop(entry[1].sock.fileno())
 
     def _answer(self, conn: socket.socket, msg: ExecutorZygoteMsg) -> None:
         with contextlib.suppress(OSError):
@@ -663,9 +733,9 @@ class _Server:
             for _, _, waiting, _ in self.deferred:
                 for fd in waiting:
                     os.close(fd)
-            for other, _, _ in self.conns.values():
-                if other is not conn:
-                    other.close()
+            for other in self.conns.values():
+                if other.sock is not conn:
+                    other.sock.close()
             self.listener.close()
             for fd in (*self.pidfds, self.lock_fd):
                 os.close(fd)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import ctypes
 import importlib
 import json
@@ -45,6 +46,7 @@ from nbdist.protocol import (
     Frame,
     FrameWriter,
     Payload,
+    Pulled,
     PullPayload,
     PushPayload,
     ScriptPayload,
@@ -166,8 +168,9 @@ def _run_call(payload: CallPayload) -> Any:
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 
-def _run_pull(payload: PullPayload) -> Any:
-    """``%dist_pull``: a session variable's value (from the rank asked; None from the rest)."""
+def _run_pull(payload: PullPayload) -> Pulled | None:
+    """``%dist_pull``: a session variable's value (from the rank asked; None from the rest),
+    with the threads that may be changing it while it is read and sent."""
     if int(os.environ.get("RANK", "0")) != payload["rank"]:
         return None
     name: str = payload["name"]
@@ -175,7 +178,17 @@ def _run_pull(payload: PullPayload) -> Any:
         known = ", ".join(session_names()) or "none yet"
         raise NameError(f"rank {payload['rank']} has no variable {name!r} (defined there: "
                         f"{known})")
-    return _session_ns[name]
+    return Pulled(_session_ns[name], _cell_threads())
+
+
+def _cell_threads() -> list[str]:
+    """The threads running on this rank that the user's code started: not the main thread,
+    nbdist's own (``nbdist-*``) nor tqdm's monitor. A cell is never running beside a pull
+    (the session runs one at a time), but a thread a cell started may be."""
+    main = threading.main_thread()
+    return sorted(t.name for t in threading.enumerate()
+                  if t is not main and t.is_alive() and not t.name.startswith("nbdist")
+                  and not type(t).__module__.startswith("tqdm"))
 
 
 def _run_push(payload: PushPayload) -> Any:
@@ -287,6 +300,49 @@ def _flush_all() -> None:
 
 #: Set by main() from NBDIST_SYNC (the supervisor's marker for this interpreter).
 _sync_marker = b""
+#: fd → a copy of it made at start (close-on-exec) and what it was: the rank's stdout and
+#: stderr, the pipes to its supervisor (``_keep_outputs``).
+_outputs: dict[int, tuple[int, tuple[int, int]]] = {}
+
+
+def _keep_outputs() -> None:
+    """Keep a copy of fds 1 and 2, so that a cell that closes them does not end the pipes to
+    the supervisor, and :func:`_restore_outputs` can put them back."""
+    import fcntl
+
+    for fd in (1, 2):
+        try:
+            copy = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+            st = os.fstat(copy)
+        except OSError:
+            continue
+        _outputs[fd] = (copy, (st.st_dev, st.st_ino))
+
+
+def _restore_outputs() -> None:
+    """After a cell: put back fd 1 or 2 if the cell closed it (or closed it and opened
+    something else there), and say so on the rank's stderr. A session's next cells print
+    again (before: every later cell failed with "Bad file descriptor"). A deliberate
+    ``os.dup2(devnull, 1)`` is undone too: the supervisor learns that a cell's output is all
+    there from a marker written on these pipes (``_mark_synced``)."""
+    restored = []
+    for fd, (copy, was) in _outputs.items():
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == was:
+                continue
+        except OSError:
+            pass
+        try:
+            os.dup2(copy, fd)
+        except OSError:
+            continue
+        restored.append("stdout" if fd == 1 else "stderr")
+    if restored:
+        with contextlib.suppress(OSError):
+            os.write(2, (f"nbdist: this cell closed or replaced the rank's "
+                         f"{' and '.join(restored)}; restored for the next cell (what the cell "
+                         "wrote meanwhile is lost)\n").encode())
 
 
 def _mark_synced() -> None:
@@ -525,6 +581,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                 _mark("end")
                 _interruptible.clear()
                 _cells.end()
+                _restore_outputs()
         except BaseException as exc:
             # sys.exit(0) (or exit(), sys.exit()) ends the rank's code successfully with no
             # value, as a script's exit status 0 does under torchrun. Any other SystemExit is
@@ -634,6 +691,7 @@ def main(guard: bool = True) -> None:
     signal.signal(signal.SIGINT, _on_sigint)
     _AT_START.update(sys.modules)
     become_subreaper()
+    _keep_outputs()
     threading.Thread(target=watch, name="nbdist-watch", daemon=True).start()
     pacer = Pacer()
     pacer.install()

@@ -7,8 +7,13 @@ trace file.
 
 from __future__ import annotations
 
+import contextlib
 import html
+import json
+import os
+import stat
 import statistics
+import tempfile
 
 from nbdist import timeline
 from nbdist.state import JobState
@@ -37,9 +42,72 @@ def rank_marks(job: JobState) -> list[tuple[int, str, dict[str, float]]]:
                 for r in job.ranks]
 
 
+class TraceTargetError(ValueError):
+    """A path :func:`export_trace` will not write: the message says why."""
+
+
+def trace_target_problem(path: str) -> str | None:
+    """Why a trace file cannot be written at ``path`` (None: it can). Only a regular file, or
+    a name not taken yet in an existing folder: the path is never opened nor followed (a
+    FIFO nobody reads would block the kernel for ever; a symbolic link would have its target
+    overwritten)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            return f"there is no folder {folder!r} to write it in"
+        return None
+    except OSError as exc:
+        return f"cannot look at it: {exc.strerror or exc}"
+    kinds = [(stat.S_ISLNK, "a symbolic link (nbdist does not write through links: name the "
+                            "file itself)"),
+             (stat.S_ISDIR, "a folder (name a file in it, e.g. "
+                            f"{os.path.join(path, 'trace.json')})"),
+             (stat.S_ISFIFO, "a named pipe (FIFO); nbdist writes only regular files"),
+             (stat.S_ISSOCK, "a socket; nbdist writes only regular files"),
+             (stat.S_ISCHR, "a device; nbdist writes only regular files"),
+             (stat.S_ISBLK, "a device; nbdist writes only regular files")]
+    for test, what in kinds:
+        if test(st.st_mode):
+            return f"it is {what}"
+    return None
+
+
 def export_trace(job: JobState, path: str) -> str:
-    """Write the job's launch as a Chrome trace file; a line saying what was written."""
-    n = timeline.write_trace(path, rank_marks(job), job.id)
+    """Write the job's launch as a Chrome trace file (``timeline.chrome_trace``); a line
+    saying what was written.
+
+    Written to a new file beside it, then renamed over it: ``path`` itself is never opened, so
+    a reader sees the old file or the new one, and a FIFO, a device or a link put there in
+    the meantime is replaced, never written to. Raises :class:`TraceTargetError` for a path
+    that is not a regular file (:func:`trace_target_problem`) or a folder it cannot write in.
+    """
+    problem = trace_target_problem(path)
+    if problem is not None:
+        raise TraceTargetError(problem)
+    trace = timeline.chrome_trace(rank_marks(job), job.id)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, staging = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                       dir=folder)
+    except OSError as exc:
+        raise TraceTargetError(f"cannot write a file in {folder}: "
+                               f"{exc.strerror or exc}") from exc
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o644)  # what open() would make, not mkstemp's 0600
+            json.dump(trace, f, separators=(",", ":"))
+        os.replace(staging, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(staging)
+        raise TraceTargetError(f"cannot write it: {exc.strerror or exc}") from exc
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(staging)
+        raise
+    n = sum(1 for e in trace["traceEvents"] if e["ph"] == "X")
     return (f"wrote {path}: {n} phases of {job.np} ranks of job {job.id} (open it in "
             f"https://ui.perfetto.dev or chrome://tracing)")
 

@@ -18,6 +18,7 @@ import nbdist
 from nbdist import timeline
 from nbdist.launch import executor_zygote
 
+from .. import hostile
 from ..helpers import wait_for
 from ..sparks import MARK, Sparks, marked_rank_processes
 
@@ -175,6 +176,40 @@ def test_a_stranger_without_the_applications_secret_is_refused(
     assert tried, f"no live zygote socket among {paths}"
 
 
+def _listening(zygote: psutil.Process) -> list[str]:
+    """The Unix socket a zygote listens on (bound as ``<path>.<pid>``, then renamed)."""
+    staged = f".sock.{zygote.pid}"
+    return [c.laddr[:-len(staged)] + ".sock" for c in zygote.net_connections(kind="unix")
+            if isinstance(c.laddr, str) and c.laddr.endswith(staged)]
+
+
+def _hostile_packets_leave_the_zygotes_serving(session: SparkSession, mark: str, np: int) -> None:
+    from nbdist.launch.spark import _APP_SECRETS
+
+    first = _until_forked(np)
+    secret = _APP_SECRETS[session.sparkContext.applicationId]
+    mine = {z.pid for z in zygotes(mark)} & {r["ppid"] for r in first.results}
+    assert mine, "no zygote forked this application's ranks"
+    cases = hostile.zygote_malformed(secret)
+    for pid in mine:
+        (path,) = _listening(psutil.Process(pid))
+        assert hostile.zygote_send_each(path, cases) == []
+        assert hostile.zygote_rejected(path, secret) >= len(cases)
+    job = _until_forked(np, tries=1)
+    assert {r["ppid"] for r in job.results} <= mine, "a zygote was lost to the attack"
+    assert {z.pid for z in zygotes(mark)} >= mine
+
+
+def test_hostile_packets_leave_the_zygote_serving_on_local_spark(
+    spark_local: SparkSession, spark_mark: str,
+) -> None:
+    """Garbage, deep nesting, huge, cut-short and non-UTF-8 packets, some with pipes, on the
+    executor zygote's socket (no secret needed to send them): each connection is closed and
+    counted, and the next job's ranks are forked from the same zygote (before: one packet
+    of 5000 `[` killed it and the ranks it had forked)."""
+    _hostile_packets_leave_the_zygotes_serving(spark_local, spark_mark, 2)
+
+
 def test_an_idle_zygote_goes(
     spark_local: SparkSession, spark_mark: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -183,11 +218,10 @@ def test_an_idle_zygote_goes(
     monkeypatch.setenv("NBDIST_WARM_IDLE_S", "5")  # read on the driver at each launch
     _until_forked(2)
     (zygote,) = zygotes(spark_mark)
+    (path,) = _listening(zygote)  # its own: other checkouts' zygotes of this uid share the folder
     wait_for(lambda: not zygote.is_running(), 60, "the idle zygote to go")
-    directory = executor_zygote.socket_dir()
-    assert not [n for n in os.listdir(directory) if n.endswith(".sock")
-                and os.path.exists(os.path.join(directory, n[:-5] + ".lock"))], \
-        "the zygote left its socket behind"
+    assert not os.path.exists(path), "the zygote left its socket behind"
+    assert not os.path.exists(path[:-5] + ".lock"), "the zygote left its lock file behind"
 
 
 def _executor_jvms(mark: str) -> list[psutil.Process]:
@@ -204,6 +238,14 @@ def _executor_jvms(mark: str) -> list[psutil.Process]:
 
 def _none_within(find: Any, what: str, within: float = 30.0) -> None:
     wait_for(lambda: not find(), within, what)
+
+
+def test_hostile_packets_leave_every_zygote_serving_on_the_standalone_cluster(
+    spark_cluster: SparkSession, spark_mark: str,
+) -> None:
+    """The same attack on the zygote of each executor of the standalone cluster: each serves
+    on, and the next job's four ranks are forked from them."""
+    _hostile_packets_leave_the_zygotes_serving(spark_cluster, spark_mark, 4)
 
 
 def test_stopping_the_session_leaves_no_zygote_on_any_worker(

@@ -1,0 +1,200 @@
+"""The Spark executor zygote's socket under attack, on a zygote started here without Spark.
+
+The zygote is the real one (``executor_zygote.main``, as a Spark task starts it), given a socket
+in a private directory of its own; ``tests/spark/test_warm_executors.py`` attacks the zygotes of
+real executors (``local[2]`` and the standalone cluster) the same way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nbdist.launch import executor_zygote
+
+from . import hostile
+from .helpers import wait_for
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not executor_zygote.supported(), reason="Linux only")]
+
+
+@dataclass
+class Zygote:
+    path: str
+    secret: str
+    proc: psutil.Process
+    stderr: Path
+
+    def alive(self) -> bool:
+        try:
+            return self.proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+
+def start(directory: str, idle_s: float = 600) -> Zygote:
+    """An executor zygote listening in ``directory``, as a task would start it."""
+    path = os.path.join(directory, "z-test.sock")  # short: a socket's path has 108 bytes
+    secret = secrets.token_hex(32)
+    lock_fd = os.open(path[:-5] + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for its life, as a task does
+    config: executor_zygote.ExecutorConfig = {
+        "path": path, "secret": secret, "idle_s": idle_s, "modules": [], "nice": 0,
+        "watch": [os.getpid()], "lock_fd": lock_fd, "t0": time.time_ns(),
+    }
+    stderr = Path(directory, "stderr")
+    with open(stderr, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", executor_zygote.COMMAND],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                pass_fds=(lock_fd,), start_new_session=True)
+    os.close(lock_fd)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(config).encode())
+    proc.stdin.close()
+    proc.wait(60)  # it forks the zygote and exits
+    wait_for(lambda: os.path.exists(path), 60, "the zygote's socket")
+    sock, _ = hostile.zygote_greet(path)
+    with sock:
+        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                  struct.calcsize("3i")))[0]
+    return Zygote(path, secret, psutil.Process(pid), stderr)
+
+
+@pytest.fixture
+def zygote_dir() -> Iterator[str]:
+    directory = tempfile.mkdtemp(prefix="nbz", dir="/tmp")
+    os.chmod(directory, 0o700)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def zygote(zygote_dir: str) -> Iterator[Zygote]:
+    z = start(zygote_dir)
+    try:
+        yield z
+    finally:
+        if z.alive():
+            z.proc.terminate()
+            z.proc.wait(30)
+
+
+def fork_a_rank(z: Zygote) -> None:
+    """Ask the zygote for a rank as a task does, and end it: the zygote forks it and tells
+    how it ended (proof that it serves)."""
+    sock, ready = hostile.zygote_hello(z.path, z.secret)
+    with sock:
+        assert ready["t"] == "ready" and ready["safe"], ready
+        pipes = [os.pipe() for _ in range(4)]
+        theirs = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]]
+        ours = [pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0]]
+        fork = {"t": "fork", "sync": "s", "job": "j1", "rank": 0, "after_rank0": False}
+        socket.send_fds(sock, [json.dumps(fork).encode()], theirs)
+        for fd in theirs:
+            os.close(fd)
+        forked = json.loads(sock.recv(1 << 16))
+        assert forked["t"] == "forked" and isinstance(forked["pid"], int), forked
+        os.close(ours[0])  # control-in closed: the rank stops itself
+        ended = json.loads(sock.recv(1 << 16))
+        for fd in ours[1:]:
+            os.close(fd)
+        assert ended["t"] == "exit" and ended["pid"] == forked["pid"], ended
+        assert isinstance(ended["code"], int), ended
+
+
+def test_every_malformed_packet_closes_its_connection_and_the_zygote_goes_on(
+    zygote: Zygote,
+) -> None:
+    """Garbage, deep nesting (json's RecursionError), huge and cut-short packets, non-UTF-8 and
+    wrong types, each on its own connection and some with pipes attached: each connection is
+    closed and counted, every pipe end it was given is closed, and the zygote still forks."""
+    cases = hostile.zygote_malformed(zygote.secret)
+    assert hostile.zygote_send_each(zygote.path, cases) == [], zygote.stderr.read_text()
+    assert zygote.alive(), zygote.stderr.read_text()
+    assert hostile.zygote_rejected(zygote.path, zygote.secret) == len(cases)
+    fork_a_rank(zygote)
+    assert os.path.exists(zygote.path)
+
+
+def test_a_silent_connection_is_cut_at_the_hello_deadline_and_counted(zygote: Zygote) -> None:
+    """A connection that says nothing, or says hello too late, is closed AUTH_DEADLINE_S after
+    it connected and counted; the zygote serves the next task."""
+    silent, _ = hostile.zygote_greet(zygote.path, timeout=4 * executor_zygote.AUTH_DEADLINE_S)
+    late, nonce = hostile.zygote_greet(zygote.path)
+    start_at = time.monotonic()
+    with silent, late:
+        assert hostile.closed_on_us(silent), "a silent connection was never cut"
+        waited = time.monotonic() - start_at
+        assert waited >= executor_zygote.AUTH_DEADLINE_S * 0.9
+        hello = {"t": "hello", "modules": [], "mac": executor_zygote.mac(zygote.secret, nonce)}
+        try:
+            late.send(json.dumps(hello).encode())
+        except OSError:
+            pass  # closed already
+        late.settimeout(30)
+        assert hostile.closed_on_us(late), "a hello after the deadline was answered"
+    assert hostile.zygote_rejected(zygote.path, zygote.secret) == 2
+    fork_a_rank(zygote)
+
+
+def test_a_flood_of_silent_connections_cannot_keep_a_task_out(zygote: Zygote) -> None:
+    """Twice MAX_UNAUTHENTICATED silent connections: the oldest are closed (counted) to make
+    room, and a task that connects after them still gets its rank."""
+    n = 2 * executor_zygote.MAX_UNAUTHENTICATED
+    held = [hostile.zygote_greet(zygote.path)[0] for _ in range(n)]
+    try:
+        fork_a_rank(zygote)
+        cut = [s for s in held if select.select([s], [], [], 0)[0] and s.recv(1) == b""]
+        assert len(cut) >= n - executor_zygote.MAX_UNAUTHENTICATED
+    finally:
+        for s in held:
+            s.close()
+    assert hostile.zygote_rejected(zygote.path, zygote.secret) >= n // 2
+
+
+def test_strangers_that_never_say_hello_do_not_keep_an_idle_zygote(zygote_dir: str) -> None:
+    """An idle zygote goes after idle_s even while strangers stay connected without a hello
+    (one cut at its deadline is replaced at once): they are not work."""
+    z = start(zygote_dir, idle_s=2)
+    stop = threading.Event()
+
+    def strangers() -> None:
+        while not stop.is_set():
+            try:
+                sock, _ = hostile.zygote_greet(z.path, timeout=60)
+            except OSError:  # the zygote went
+                return
+            with sock:
+                while not stop.is_set() and not select.select([sock], [], [], 0.05)[0]:
+                    pass
+
+    thread = threading.Thread(target=strangers, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: not z.alive(), 60, "the idle zygote to go with a stranger connected")
+    finally:
+        stop.set()
+        thread.join(60)
+        if z.alive():
+            z.proc.terminate()
+    assert not os.path.exists(z.path), "the zygote left its socket behind"
