@@ -128,7 +128,8 @@ def test_a_zygote_that_cannot_fork_safely_gives_way_to_fresh_interpreters(
 
     assert nbdist.run(uses_it, np=2).results == [os.getpid()] * 2  # started by their supervisors
     (zygote,) = local.pool._zygotes.values()
-    assert not zygote.safe and "started threads (poller)" in zygote.why
+    assert not zygote.safe and zygote.why.startswith(
+        "thread 'poller' (runs threading.Event.wait; module nbdist_threaded started it at import")
 
 
 @pytest.mark.slow
