@@ -51,7 +51,7 @@ def test_a_thread_is_named_with_what_it_runs_and_which_import_started_it(
         "threading.Thread(target=stop.wait, name='poller', daemon=True).start()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with fork_safety.recording_thread_starts():
-        import nbdist_starts_a_thread as module  # type: ignore[import-not-found]
+        import nbdist_starts_a_thread as module
     assert threading.Thread.start.__qualname__ == "Thread.start"  # the wrapper is gone
     try:
         poller = next(t for t in threading.enumerate() if t.name == "poller")
