@@ -24,7 +24,7 @@ from collections.abc import Callable
 from nbdist import runtime, timeline
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
-from nbdist.launch import Capacity, LaunchRequest
+from nbdist.launch import Capacity, LaunchRequest, gpus_text, no_gpu_hint
 from nbdist.launch.zygote import Zygote
 from nbdist.protocol import Frame, HelloEvent, RankStatus
 from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
@@ -447,7 +447,7 @@ class LocalLauncher:
     def capacity(self) -> Capacity:
         cpus = os.cpu_count() or 1
         gpus = len(visible_gpus())
-        detail = f"this machine: {cpus} CPU cores, {gpus} GPUs"
+        detail = f"this machine: {cpus} CPU cores, {gpus_text(gpus)}"
         return Capacity(slots=max(cpus, gpus), gpus=gpus, detail=detail)
 
     def check(self, np: int, gpu: bool) -> None:
@@ -455,10 +455,12 @@ class LocalLauncher:
             return  # CPU ranks may share cores; nothing to refuse
         gpus = visible_gpus()
         if np > len(gpus):
+            has = f"{gpus_text(len(gpus))} ({', '.join(gpus)})" if gpus else (
+                "no GPU (CUDA_VISIBLE_DEVICES and nvidia-smi name none)")
+            fewer = f"-np {len(gpus)} for one rank per GPU, or " if gpus else ""
             raise CapacityError(
-                f"asked for {np} ranks with one GPU each, but this machine has {len(gpus)} "
-                f"GPUs ({', '.join(gpus) or 'none'}); use -np {len(gpus) or 1}"
-                + (" or --no-gpu" if not gpus else "")
+                f"asked for {np} ranks with one GPU each, but this machine has {has}: use "
+                f"{fewer}{no_gpu_hint(np)}"
             )
 
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:

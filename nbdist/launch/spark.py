@@ -37,7 +37,7 @@ from typing import Any, cast
 
 from nbdist import events, launch
 from nbdist.errors import CapacityError, LaunchError
-from nbdist.launch import Capacity, LaunchRequest
+from nbdist.launch import Capacity, LaunchRequest, gpus_text
 from nbdist.protocol import HelloEvent, OutcomeFields, RankStatus
 from nbdist.rank import RankOutcome
 
@@ -113,9 +113,10 @@ class ClusterInfo:
         )
         if self.gpu_slots is not None and self.gpu_slots < self.cpu_slots:
             return (
-                f"limited by GPUs: {self._executors()} with {self.gpus} GPUs in all, "
+                f"limited by GPUs: {self._executors()} with {gpus_text(self.gpus)} in all, "
                 f"spark.task.resource.gpu.amount={self.task_gpus:g}; the CPU cores alone "
-                f"would allow {self.cpu_slots}"
+                f"would allow {self.cpu_slots}, but every task of this cluster takes a GPU, "
+                f"with --no-gpu too"
             )
         return f"limited by CPU cores: {cpu}"
 
@@ -124,8 +125,8 @@ class ClusterInfo:
 
     def describe(self) -> str:
         gpus = (
-            f", {self.gpus} GPUs (spark.task.resource.gpu.amount={self.task_gpus:g})"
-            if self.task_gpus else (f", {self.gpus} GPUs not usable by tasks "
+            f", {gpus_text(self.gpus)} (spark.task.resource.gpu.amount={self.task_gpus:g})"
+            if self.task_gpus else (f", {gpus_text(self.gpus)} not usable by tasks "
                                     f"(spark.task.resource.gpu.amount is not set)"
                                     if self.gpus else ", no GPUs")
         )

@@ -391,7 +391,8 @@ class JobsReport(Report):
         self.rejected = rejected
 
     def _capacity_lines(self) -> list[str]:
-        lines = [f"capacity ({name}): {c.slots} ranks at once, {c.gpus} GPUs — {c.detail}"
+        lines = [f"capacity ({name}): {c.slots} ranks at once, {c.gpus} "
+                 f"GPU{'' if c.gpus == 1 else 's'} — {c.detail}"
                  for name, c in self.capacities]
         if self.rejected:
             lines.append(f"event channel: {self.rejected} connections rejected (bad secret or "
