@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 
 import nbdist
-from nbdist.events import free_port
+from nbdist.channel import free_port
 from nbdist.job import Job, choose_launcher
 from nbdist.launch import local
 from nbdist.launch.zygote import COMMAND
@@ -285,7 +285,7 @@ def soak(backend: str, n: int) -> dict[str, dict[str, float]]:
     def snapshot() -> dict[str, float]:
         local.pool.clear()  # zygotes and warm interpreters are by design
         ranks = [p for p in me.children(recursive=True)
-                 if any(c in " ".join(p.cmdline()) for c in ("nbdist.runtime", COMMAND))]
+                 if any(c in " ".join(p.cmdline()) for c in ("nbdist.rank.runtime", COMMAND))]
         gone_after(ranks, timeout=10)  # the last ranks may still be leaving
         return {"threads": me.num_threads(), "fds": me.num_fds(),
                 "listening": sum(c.status == "LISTEN" for c in me.net_connections("tcp")),

@@ -3,7 +3,7 @@
 Scenarios, medians with the ratio to a baseline measured in the same run:
 
 1. **reservation, per rank** — what every supervisor now does in its hello (bind a free port on
-   all interfaces, hold it, release it when the rank starts) against ``events.free_port()``,
+   all interfaces, hold it, release it when the rank starts) against ``channel.free_port()``,
    which rank 0 already paid for MASTER_PORT (baseline). Microseconds per call.
 2. **a job that does not use TF** — a trivial job on 4 local ranks, run right after the
    previous one (forked from a warm zygote: the launch is at its shortest, so a fixed cost shows
@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_launch import save, scenario, zygotes  # noqa: E402  (the shared table helpers)
 
 import nbdist  # noqa: E402
-from nbdist import events, rank  # noqa: E402
+from nbdist import channel  # noqa: E402
 from nbdist.launch import local  # noqa: E402
+from nbdist.rank import supervisor  # noqa: E402
 
 TF_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
@@ -73,36 +74,37 @@ def per_call_us(fn: Callable[[], Any], calls: int) -> float:
 
 
 def reserve_and_release() -> None:
-    sock = rank._reserve_port()
+    sock = supervisor._reserve_port()
     if sock is not None:
         sock.close()
 
 
 def reservation(reps: int, calls: int) -> dict[str, Any]:
-    contenders = {"events.free_port() (rank 0's MASTER_PORT)": events.free_port,
-                  "rank._reserve_port() + release (every rank, TF_CONFIG)": reserve_and_release}
+    contenders = {"channel.free_port() (rank 0's MASTER_PORT)": channel.free_port,
+                  "supervisor._reserve_port() + release (every rank, TF_CONFIG)":
+                      reserve_and_release}
     times: dict[str, list[float]] = {c: [] for c in contenders}
     for _ in range(reps):
         for label, fn in contenders.items():
             times[label].append(per_call_us(fn, calls))
     medians = {c: statistics.median(t) for c, t in times.items()}
-    base = medians["events.free_port() (rank 0's MASTER_PORT)"]
+    base = medians["channel.free_port() (rank 0's MASTER_PORT)"]
     rows = [(c, f"{m:.1f} µs", f"{m / base:.2f}×", len(times[c])) for c, m in medians.items()]
     return {"scenario": f"1. the port reservation, per rank ({calls} calls per run)",
-            "baseline": "events.free_port()", "rows": rows, "samples": times, "errors": {}}
+            "baseline": "channel.free_port()", "rows": rows, "samples": times, "errors": {}}
 
 
 # -- 2. and 3. whole jobs ------------------------------------------------------------------------
 @contextlib.contextmanager
 def reserving(on: bool) -> Iterator[None]:
     """Supervisors reserve a TF port (as shipped), or reserve nothing (no TF_CONFIG)."""
-    saved = rank._reserve_port
+    saved = supervisor._reserve_port
     if not on:
-        rank._reserve_port = lambda: None  # type: ignore[assignment]
+        supervisor._reserve_port = lambda: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        rank._reserve_port = saved  # type: ignore[assignment]
+        supervisor._reserve_port = saved  # type: ignore[assignment]
 
 
 def warm_trivial(reserve: bool) -> float:

@@ -134,7 +134,7 @@ def zygotes(on: bool) -> Iterator[None]:
 
 
 def spawn(fn: Callable[[], Any]) -> None:
-    from nbdist.events import free_port
+    from nbdist.channel import free_port
 
     mp.spawn(_spawned, args=(fn, free_port()), nprocs=2)
 
@@ -151,7 +151,7 @@ def torch_distributor(local_mode: bool) -> Callable[[Callable[[], Any]], None]:
 def notebook_launcher(fn: Callable[[], Any]) -> None:
     from accelerate import notebook_launcher as launch
 
-    from nbdist.events import free_port
+    from nbdist.channel import free_port
 
     launch(fn, num_processes=2, use_port=str(free_port()))
 

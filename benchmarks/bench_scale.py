@@ -2,8 +2,8 @@
 
 256 simulated ranks connect to a real :class:`nbdist.events.EventServer` from one separate
 process: cheap ranks (no rank processes), but each talks through the supervisor's own
-:class:`nbdist.events.EventClient`, coalescing included. Each sends ``--rate`` events per second
-(an output batch, a progress update and a metrics update in turn, a heartbeat every
+:class:`nbdist.rank.client.EventClient`, coalescing included. Each sends ``--rate`` events per
+second (an output batch, a progress update and a metrics update in turn, a heartbeat every
 ``HEARTBEAT_S``, and a resources sample every ``resources.SAMPLE_S`` as a supervisor sends,
 unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only
 the server and a real ``JobState``: CPU time per second of wall time (as % of one core),
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import psutil
 
-from nbdist import events
+from nbdist import channel, events
 from nbdist.state import LOG_LINES, JobState
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = textwrap.dedent("""
     import json, sys, threading, time
     from concurrent.futures import ThreadPoolExecutor
-    from nbdist import events, rank, resources
+    from nbdist import resources
+    from nbdist.rank import supervisor as rank
+    from nbdist.rank.client import EventClient
     host, port, job, secret, ranks, rate, seconds, with_res, metrics = sys.argv[1:10]
     ranks, rate, seconds, metrics = int(ranks), float(rate), float(seconds), int(metrics)
     sample = max(1, round(resources.SAMPLE_S * rate)) if with_res == "1" else 0
@@ -52,8 +54,8 @@ CLIENTS = textwrap.dedent("""
     # The supervisor's own client, with its coalescing: each simulated rank is one EventClient,
     # connecting at the same time as the others, as the ranks of a job do.
     def connect(r):
-        return events.EventClient((host, int(port)), job, r, secret, {"host": "sim"},
-                                  lambda message: None)
+        return EventClient((host, int(port)), job, r, secret, {"host": "sim"},
+                           lambda message: None)
     with ThreadPoolExecutor(64) as pool:
         clients = list(pool.map(connect, range(ranks)))
     kinds = [
@@ -182,9 +184,9 @@ def main() -> int:
     server = events.EventServer("127.0.0.1")
     rss_empty = me.memory_info().rss
     job = JobState("bench", "local", args.ranks)
-    channel = Channel(job)
-    secret = events.new_secret()
-    server.add_job("bench", secret, channel)
+    job_channel = Channel(job)
+    secret = channel.new_secret()
+    server.add_job("bench", secret, job_channel)
 
     cpu0, t0 = _cpu(me), time.monotonic()
     time.sleep(seconds)

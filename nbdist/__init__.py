@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from nbdist._checkpoint import checkpoint_dir
 from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
-from nbdist.reporting import progress, report
+from nbdist.rank.reporting import progress, report
 
 if TYPE_CHECKING:
     from nbdist.elastic import ElasticJob

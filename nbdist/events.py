@@ -30,31 +30,37 @@ up less often itself (``PACE_S``). So the channel trades latency for the driver'
 large jobs: with 4 ranks a line takes about 10 ms; with 256, a busy rank writes every
 0.64 s and a line after a quiet spell takes up to 0.1 s.
 
-This module runs on ranks too: standard library only.
+This module runs in the kernel; the rank's end is ``nbdist.rank.client``, what both ends agree
+on is ``nbdist.channel``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from nbdist.channel import (
+    MAX_BLOCK_BYTES,
+    MAX_HELLO_BYTES,
+    PROTOCOL_VERSION,
+    SEND_EVERY_S,
+    Event,
+    encode,
+    recv_some,
+    sign,
+)
 
 log = logging.getLogger(__name__)
-
-PROTOCOL_VERSION = 3
-#: Longest line accepted before authentication (the hello, a few hundred bytes).
-MAX_HELLO_BYTES = 16 * 1024
 #: A connection must send its hello this soon after it is accepted, or it is closed (and
 #: counted in ``rejected``). A rank sends its hello as soon as it reads the challenge; a
 #: stranger that connects and says nothing, or trickles a byte a second (slowloris), holds a
@@ -69,8 +75,6 @@ MAX_UNAUTHENTICATED = 512
 HELLO_GRACE_S = 0.5
 #: Highest rank number a hello may name.
 MAX_RANK = 2**31 - 1
-#: Longest binary block an event may announce (protocol 3, item 4 above).
-MAX_BLOCK_BYTES = 16 * 1024 * 1024
 #: Most bytes of binary blocks read from one connection per wake-up. Blocks (a value being
 #: pulled) are read as fast as they come, not one ``READ_BYTES`` per paced wake-up, but one
 #: rank's transfer does not keep the server from the other connections for long.
@@ -86,8 +90,6 @@ READ_BYTES = 1 << 18
 #: (below), up to ``MAX_PACE_S``. This is what it adds to a line's latency at most.
 PACE_S = 0.005
 MAX_PACE_S = 0.1
-#: A client writes at most this often; events sent in between go together in the next write.
-SEND_EVERY_S = 0.005
 #: Writes per second the server aims to read at most, from all its clients together (see the
 #: module docstring): about 1% of a core here, whatever the number of ranks.
 MAX_WRITES_PER_S = 400
@@ -95,36 +97,10 @@ MAX_WRITES_PER_S = 400
 #: connecting one by one cause a handful of broadcasts, not one per rank.
 _PACE_STEP = 1.25
 #: Progress, metrics and heartbeats wait up to this long for other events to go with: views
-#: show them at most ten times a second, and one write then carries several events.
-LAZY_S = 0.25
-#: Bytes of events a client holds before ``send`` waits for the driver to take some: a rank
-#: printing faster than the driver reads is slowed down, the supervisor's memory stays bounded.
-MAX_PENDING_BYTES = 8 * 1024 * 1024
-#: Queued output of a stream is merged into one event up to this many characters.
-MERGE_CHARS = 64 * 1024
-#: Most bytes of events put in one line (one JSON array) by a client.
-BATCH_LINE_BYTES = 1024 * 1024
-#: Events that need not go at once, and may be merged with a newer one of the same kind.
-_LAZY = frozenset({"progress", "metrics", "hb", "res"})
-
-Event = dict[str, Any]
 
 
 #: ``json.loads`` without its per-call checks (the server parses every write with it).
 _decode = json.JSONDecoder().decode
-
-
-def new_secret() -> str:
-    return secrets.token_hex(32)
-
-
-def sign(secret: str, nonce: str, job_id: str, rank: int) -> str:
-    msg = f"{nonce}:{job_id}:{rank}".encode()
-    return hmac.new(bytes.fromhex(secret), msg, hashlib.sha256).hexdigest()
-
-
-def encode(event: Mapping[str, Any]) -> bytes:
-    return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
 class JobChannel(Protocol):
@@ -387,7 +363,7 @@ class EventServer:
         while True:
             if conn.block_event is not None:  # straight into the block, without a copy
                 view = memoryview(conn.block)[conn.got:]
-                n = _recv(conn.sock, view, len(view), flags)
+                n = recv_some(conn.sock, view, len(view), flags)
                 if n is None:
                     return
                 if n:
@@ -398,7 +374,7 @@ class EventServer:
                 # Before the hello, never more than a hello may hold.
                 size = READ_BYTES if conn.job_id is not None else (
                     MAX_HELLO_BYTES + 1 - len(conn.buf))
-                n = _recv(conn.sock, self._rbuf, size, flags)
+                n = recv_some(conn.sock, self._rbuf, size, flags)
                 if n is None:
                     return
                 if n and not self._consume(conn, n):
@@ -540,288 +516,6 @@ class EventServer:
             pass  # the connection is going; its read will say so
 
 
-def _recv(sock: socket.socket, buf: bytearray | memoryview, size: int, flags: int) -> int | None:
-    """Bytes read into ``buf`` (0: the peer closed or reset), None if none are there now."""
-    try:
-        return sock.recv_into(buf, size, flags)
-    except BlockingIOError:
-        return None
-    except OSError:  # reset by the peer
-        return 0
-
-
-class EventClient:
-    """The rank-side end, used by the supervisor.
-
-    ``send`` queues the event for a thread that writes it (see the module docstring for how
-    events are coalesced), and never raises: when the driver cannot be reached the rank keeps
-    running and the loss is counted in :attr:`dropped`. ``close`` sends what is still queued.
-    """
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        job_id: str,
-        rank: int,
-        secret: str,
-        hello: Mapping[str, Any],
-        on_message: Callable[[Event], None],
-        timeout: float = 10.0,
-    ) -> None:
-        self.dropped = 0
-        self._on_message = on_message
-        self._sock = socket.create_connection(address, timeout=timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._reader = self._sock.makefile("rb")
-        try:
-            try:
-                challenge = json.loads(self._reader.readline(MAX_HELLO_BYTES) or b"{}")
-            except ValueError:
-                challenge = {}
-            nonce = challenge.get("nonce") if isinstance(challenge, dict) else None
-            if not isinstance(nonce, str):
-                raise ConnectionError(f"no nbdist event server at {address[0]}:{address[1]}")
-            self._sock.settimeout(None)
-            mac = sign(secret, nonce, job_id, rank)
-            hello = {**hello, "t": "hello", "job": job_id, "rank": rank, "mac": mac}
-            self._sock.sendall(encode(hello))
-            version = challenge.get("v")
-            if version != PROTOCOL_VERSION:
-                # Ranks run the notebook's own nbdist (the same installation, or one Spark's
-                # executors import from the same release): no older protocol is spoken.
-                raise ConnectionError(
-                    f"the nbdist event server at {address[0]}:{address[1]} speaks protocol "
-                    f"{version}, this rank {PROTOCOL_VERSION}: install the same nbdist version "
-                    f"on the driver and the ranks")
-        except BaseException:
-            self._reader.close()
-            self._sock.close()
-            raise
-        #: The server's protocol version (always ``PROTOCOL_VERSION``; see the module docstring).
-        self.protocol: int = version
-        self._pending: list[Event] = []
-        self._pending_bytes = 0
-        self._urgent = False  # something in _pending must go without waiting LAZY_S
-        self._since = 0.0  # when the oldest pending event was queued
-        self._closing = False
-        self._every = SEND_EVERY_S  # the server may ask for a longer interval (``pace``)
-        self._cond = threading.Condition()
-        self.alive = True
-        #: When the driver last said anything (``time.monotonic()``): a driver that keeps the
-        #: ranks alive pings them (``{"t": "ping"}``), so a long silence means it is gone even
-        #: where no connection reset ever arrives (a network cut off, a host powered down).
-        self.last_heard = time.monotonic()
-        self._thread = threading.Thread(target=self._read, name="nbdist-client", daemon=True)
-        self._thread.start()
-        self._sender = threading.Thread(target=self._send_loop, name="nbdist-client-send",
-                                        daemon=True)
-        self._sender.start()
-
-    def send(self, event: Mapping[str, Any]) -> bool:
-        """Queue ``event`` for the driver; False (and counted) when the channel is down.
-
-        An event whose ``data`` is bytes (at most ``MAX_BLOCK_BYTES``) travels as a binary
-        block.
-        """
-        # Queued as it is (``_merge`` may fold later events of its kind into it).
-        event = cast(Event, event)
-        kind = event.get("t")
-        size = len(event.get("text") or "") + 100  # what matters is the output text
-        data = event.get("data")
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            size += memoryview(data).nbytes
-        with self._cond:
-            while self._pending_bytes > MAX_PENDING_BYTES and self.alive:
-                self._cond.wait()  # the driver is behind: wait rather than pile up
-            if not self.alive:
-                self.dropped += 1
-                return False
-            if not self._pending:
-                self._since = time.monotonic()
-            if kind in _LAZY:
-                _merge(self._pending, event)
-            else:
-                if kind != "out" or not _append_output(self._pending, event):
-                    self._pending.append(event)
-                self._urgent = True
-            self._pending_bytes += size
-            self._cond.notify_all()
-        return True
-
-    def _send_loop(self) -> None:
-        last = 0.0
-        while True:
-            with self._cond:
-                while True:
-                    now = time.monotonic()
-                    if self._closing or not self.alive:
-                        due = now
-                    elif not self._pending:
-                        due = None
-                    else:
-                        due = max(last + self._every,
-                                  now if self._urgent else self._since + LAZY_S)
-                    if due is not None and due <= now:
-                        break
-                    self._cond.wait(None if due is None else due - now)
-                batch, self._pending = self._pending, []
-                self._pending_bytes, self._urgent = 0, False
-                self._cond.notify_all()
-                if not batch:
-                    return  # closing, everything sent
-                if not self.alive:
-                    self.dropped += len(batch)
-                    continue
-            if len(batch) > 1:  # a heartbeat says nothing that another event does not
-                batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
-            try:
-                for data in _lines(batch):
-                    self._sock.sendall(data)
-            except OSError:
-                with self._cond:
-                    self.alive = False
-                    self.dropped += len(batch)
-                    self._cond.notify_all()
-            last = time.monotonic()
-
-    def _read(self) -> None:
-        try:
-            for line in self._reader:
-                self.last_heard = time.monotonic()
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(event, dict) or event.get("t") == "ping":
-                    continue
-                if event.get("t") == "pace":
-                    every = event.get("every")
-                    if isinstance(every, (int, float)) and 0 <= every <= 60:
-                        with self._cond:
-                            self._every = max(SEND_EVERY_S, float(every))
-                            self._cond.notify_all()
-                    continue
-                self._on_message(event)
-        except OSError:
-            pass
-        with self._cond:
-            self.alive = False
-            self._cond.notify_all()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Send what is queued, then disconnect once the driver has read it all.
-
-        Waits at most ``timeout`` for each: the queue to go out, then the driver to close its
-        end. Closing ours first while the driver may still write to us (a ``cancel``, a
-        ``pace``) would make our kernel answer with a reset, and a reset makes the driver's
-        kernel throw away what it has not read yet: the rank's last lines.
-        """
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._sender.join(timeout)
-        with self._cond:
-            self.alive = False
-            self._cond.notify_all()
-        try:
-            self._sock.shutdown(socket.SHUT_WR)  # the end of our writes, after the last one
-        except OSError:
-            pass
-        self._thread.join(timeout)  # the reader ends when the driver closes its end
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sender.join(2)
-        self._thread.join(2)
-        self._sock.close()
-        # The reader holds its own reference to the socket's fd: closing the socket alone
-        # would leak one descriptor per connection.
-        self._reader.close()
-
-
-def _append_output(pending: list[Event], event: Event) -> bool:
-    """Add an output event's text to the queued output of the same stream, if nothing but
-    lazy events (which views show apart from the log) was queued after it."""
-    text = event.get("text")
-    if not isinstance(text, str):
-        return False
-    for i in range(len(pending) - 1, -1, -1):
-        old = pending[i]
-        kind = old.get("t")
-        if kind in _LAZY:
-            continue
-        done = old.get("text")
-        if kind == "out" and old.get("s") == event.get("s") and isinstance(done, str):
-            if len(done) + len(text) > MERGE_CHARS:
-                return False  # big chunks gain nothing from merging, and copying them costs
-            pending[i] = {**old, "text": done + text}
-            return True
-        return False
-    return False
-
-
-def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
-    """What one write carries: the events as arrays of up to ``BATCH_LINE_BYTES`` per line
-    (each far below the server's ``MAX_LINE_BYTES``); an
-    event with binary ``data`` alone on its line, ``"raw": N`` in place of the data, followed
-    by the N bytes (as they are: joining them with the lines would copy them)."""
-    out: list[bytes | bytearray | memoryview] = []
-    text: list[bytes] = []
-    groups: list[list[bytes]] = [[]]
-    size = 0
-
-    def flush() -> None:
-        nonlocal size
-        text.extend(b"[" + b",".join(g) + b"]\n" if len(g) > 1 else g[0] + b"\n"
-                    for g in groups if g)
-        groups[:] = [[]]
-        size = 0
-
-    for e in events:
-        data = e.get("data")
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            flush()
-            head = {k: v for k, v in e.items() if k != "data"}
-            text.append(encode({**head, "raw": memoryview(data).nbytes}))
-            out += [b"".join(text), data]
-            text.clear()
-            continue
-        p = json.dumps(e, separators=(",", ":"), ensure_ascii=False).encode()
-        if groups[-1] and size + len(p) > BATCH_LINE_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += len(p) + 1
-    flush()
-    if text:
-        out.append(b"".join(text))
-    return out
-
-
-def _merge(pending: list[Event], event: Event) -> None:
-    """Queue a lazy event, folding it into one of its kind already queued.
-
-    Metrics merge into queued metrics. A progress update replaces the queued one of the same bar
-    and goes to the end (views show the bar updated last); a heartbeat or a resources sample
-    (``res``) replaces a queued one.
-    """
-    kind = event.get("t")
-    for i, old in enumerate(pending):
-        if old.get("t") != kind:
-            continue
-        if kind == "metrics":
-            values, new = old.get("values"), event.get("values")
-            if isinstance(values, dict) and isinstance(new, dict):
-                # The newest event's other fields (its step) with both events' values.
-                pending[i] = {**old, **event, "values": {**values, **new}}
-                return
-        elif kind == "hb" or old.get("id") == event.get("id"):
-            del pending[i]
-            break
-    pending.append(event)
-
-
 def _listen(bind: str, port: int) -> socket.socket:
     """A listening socket on ``bind`` ("" = every interface, IPv6 too where the host has it)."""
     if not bind and socket.has_dualstack_ipv6():
@@ -873,43 +567,3 @@ def rejected_connections() -> int:
     with _shared_lock:
         return sum(server.rejected for server in _shared.values())
 
-
-def free_port(host: str = "") -> int:
-    """A TCP port for MASTER_PORT, chosen below the kernel's ephemeral range.
-
-    Binding port 0 and closing it (what torchrun and TorchDistributor do) hands out a port
-    from the ephemeral range, which the kernel may give to any outgoing connection before
-    torch binds it. A port outside that range is never assigned implicitly, so once we saw it
-    free only another program asking for that exact number could take it.
-    """
-    low = 32768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    top = max(low - 1, 10001)
-    bottom = max(10000, top - 20000)
-    rng = secrets.SystemRandom()
-    for _ in range(200):
-        port = rng.randint(bottom, top)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # fall back to the OS's choice
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def hostname_for_peers() -> str:
-    """This host's address as other hosts should use it (loopback when SPARK_LOCAL_IP says so)."""
-    env = os.environ.get("SPARK_LOCAL_IP") or os.environ.get("NBDIST_HOST")
-    if env:
-        return env
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

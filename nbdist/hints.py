@@ -69,7 +69,7 @@ HINTS = (
     Hint(
         # Plain pickle of a class or function that was never a module attribute (a lambda, a
         # function defined inside another): multiprocessing's own pickling goes by value on a
-        # rank (nbdist._children), plain pickle.dumps/torch.save go by name.
+        # rank (nbdist.rank.children), plain pickle.dumps/torch.save go by name.
         ("attribute lookup", "on __main__ failed"),
         "Plain pickle (pickle.dumps, torch.save, a library's own pickler) stores a class or "
         "function of the notebook by name, and finds only those defined at the top level of "

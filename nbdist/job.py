@@ -18,11 +18,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nbdist import _pickling, events, launch, state, timeline, tracking
+from nbdist import _pickling, channel, events, launch, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
-from nbdist.rank import RankOutcome
+from nbdist.rank.supervisor import RankOutcome
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
@@ -185,11 +185,11 @@ class Owner(Protocol):
     calling, which the owner may not have been handed yet (ranks talk as soon as they start).
     """
 
-    def on_event(self, job: Job, rank: int, event: events.Event) -> bool:
+    def on_event(self, job: Job, rank: int, event: channel.Event) -> bool:
         """An event of a rank, before the job folds it in; True: the owner took it whole."""
         ...
 
-    def block_buffer(self, job: Job, rank: int, event: events.Event) -> memoryview | None:
+    def block_buffer(self, job: Job, rank: int, event: channel.Event) -> memoryview | None:
         """Where a binary block goes (``events.JobChannel``)."""
         ...
 
@@ -244,14 +244,14 @@ class Job:
         self.state = job_state if job_state is not None else state.JobState(
             self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
-        self._secret = events.new_secret()
+        self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
         self._env = {**tracking.run_env(), **dict(env or {})}
         # Variables given at the rendezvous only (an attempt of a job that restarts: its
         # restart count): they must not key the local backend's warm ranks. Ranks that plan
-        # their world without the driver (rank.py) get them with the launch request; remote
-        # ranks get them in their environment at launch too.
+        # their world without the driver (the supervisor's fallback) get them with the launch
+        # request; remote ranks get them in their environment at launch too.
         self._world_env = dict(world_env or {})
         #: Logs rank 0's reported metrics into that run (``--mlflow``), else None.
         self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
@@ -314,7 +314,7 @@ class Job:
                              name=f"nbdist-keepalive-{self.id}").start()
 
     # -- the event channel (called on the server's thread) -------------------------------------
-    def on_connect(self, rank: int, hello: events.Event) -> None:
+    def on_connect(self, rank: int, hello: channel.Event) -> None:
         h = Hello.from_event(rank, hello)
         self.state.apply(rank, {"t": "hello", "host": h.host, "gpus": list(h.gpus)})
         with self._lock:
@@ -340,7 +340,7 @@ class Job:
         for rank_, env in envs.items():
             self.send(rank_, {"t": "world", "env": env})
 
-    def on_event(self, rank: int, event: events.Event) -> None:
+    def on_event(self, rank: int, event: channel.Event) -> None:
         if self._owner is not None and self._owner.on_event(self, rank, event):
             return
         self.state.apply(rank, event)
@@ -356,7 +356,7 @@ class Job:
             if first:
                 self._cancel(f"rank {rank} failed")
 
-    def block_buffer(self, rank: int, event: events.Event) -> memoryview | None:
+    def block_buffer(self, rank: int, event: channel.Event) -> memoryview | None:
         """Where a binary block goes (``events.JobChannel``); a plain job takes none."""
         return None if self._owner is None else self._owner.block_buffer(self, rank, event)
 

@@ -1,7 +1,7 @@
 """Rank output as lines: the one line splitter, and the batcher a supervisor's pumps run.
 
 Both are pure (no I/O, no clock: the time is passed in), so they are tested alone
-(``tests/test_lines.py``); ``rank.py`` reads the pipes and sends what comes out, ``state.py``
+(``tests/test_lines.py``); the supervisor reads the pipes and sends what comes out, ``state.py``
 folds the lines into the driver's model. Standard library only: this runs on ranks' hosts.
 """
 
@@ -23,7 +23,7 @@ def split_lines(text: str) -> tuple[list[list[str]], str]:
     """``[line, end]`` pairs, ``end`` being ``\\n`` (also for ``\\r\\n``) or ``\\r`` (a redraw),
     and the unfinished rest after the last line end ("" if there is none).
 
-    The one splitter of rank output: the supervisor (``rank.py``) and the driver's model
+    The one splitter of rank output: the supervisor (``rank/supervisor.py``) and the driver's model
     (``state.py``) both use it.
     """
     parts = _BREAK.split(text)

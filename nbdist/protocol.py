@@ -86,7 +86,7 @@ _ORDER = {
     RankStatus.CANCELLED: 3,
 }
 
-#: A running rank's supervisor says it is alive this often (``rank.py`` sends at this pace), even
+#: A running rank's supervisor says it is alive this often (its supervisor sends at this pace), even
 #: when the rank itself is quiet; the driver pings session ranks at the same pace.
 HEARTBEAT_S = 5.0
 #: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:

@@ -1,9 +1,9 @@
 """What a rank uses: CPU, resident memory and (where NVIDIA's library is there) its GPU.
 
-The rank's supervisor (``rank.py``) runs a :class:`Sampler` beside the rank: every
+The rank's supervisor (``rank/supervisor.py``) runs a :class:`Sampler` beside the rank: every
 ``SAMPLE_S`` it measures the rank's process tree and sends one ``res`` event on the channel,
 which the driver keeps in ``RankState.resources`` and views show in the rank's row and in
-``%dist_status JOB``. The event is lazy (``events._LAZY``): it waits for other events to travel
+``%dist_status JOB``. The event is lazy (``rank.client._LAZY``): it waits for other events to travel
 with, and a newer one replaces one still queued, so it costs the channel nothing a heartbeat
 does not already cost.
 

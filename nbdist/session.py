@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbdist import _pickling, events, state, values
+from nbdist import _pickling, channel, state, values
 from nbdist.errors import DistributedError
 from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
@@ -43,7 +43,7 @@ from nbdist.job import (
 )
 from nbdist.launch import Launcher
 from nbdist.protocol import CellEvent, Payload, RankStatus
-from nbdist.rank import RankOutcome
+from nbdist.rank.supervisor import RankOutcome
 from nbdist.waiting import wait_loop
 
 #: How long ``start`` waits for every rank's interpreter to be up.
@@ -246,7 +246,7 @@ class Session:
             self.job.send(rank, {"t": "interrupt", "id": number})
 
     # -- what the ranks' job tells the session (``job.Owner``) ----------------------------------
-    def on_event(self, job: Job, rank: int, event: events.Event) -> bool:
+    def on_event(self, job: Job, rank: int, event: channel.Event) -> bool:
         kind = event.get("t")
         cell = self._cell
         if isinstance(event.get("rss"), int):
@@ -270,7 +270,7 @@ class Session:
             cell.state.apply(rank, event)
         return False  # the job folds it into the ranks' state too
 
-    def block_buffer(self, job: Job, rank: int, event: events.Event) -> memoryview | None:
+    def block_buffer(self, job: Job, rank: int, event: channel.Event) -> memoryview | None:
         """A piece of a rank's value is read straight into the value's buffer."""
         cell = self._cell
         if event.get("t") != "cell_data" or cell is None:
@@ -405,7 +405,7 @@ class SessionCell:
             self._timer.start()
 
     # -- from the session's channel -----------------------------------------------------------
-    def on_rank_end(self, rank: int, event: events.Event, secret: str) -> None:
+    def on_rank_end(self, rank: int, event: channel.Event, secret: str) -> None:
         """A rank's value (announced, in pieces, then its signature) or error for this cell."""
         kind = event.get("t")
         if event.get("cell") != self._number:
@@ -467,7 +467,7 @@ class SessionCell:
             self._size += receiver.size
         self._rank_ended(rank, value, None)
 
-    def buffer_for(self, rank: int, event: events.Event) -> memoryview | None:
+    def buffer_for(self, rank: int, event: channel.Event) -> memoryview | None:
         """Where the piece of a value that ``event`` announces goes (see ``block_buffer``)."""
         if event.get("cell") != self._number:
             return None

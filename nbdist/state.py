@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -278,3 +278,88 @@ class JobState:
         now = time.time() if now is None else now
         with self.lock:
             return [r.rank for r in self.ranks if r.silent(now)]
+
+
+# -- a job that restarts (--max-restarts, ``nbdist.elastic``) -----------------------------------
+@dataclass
+class Attempt:
+    """One attempt of a job that restarts, as ``%dist_status JOB`` lists it."""
+
+    number: int  # 1, 2, ...
+    job_id: str  # the id of the attempt's own job (on the event channel, in Spark's UI)
+    started: float  # wall time
+    ended: float | None = None
+    cause: str = ""  # why it ended, in words ("" while it runs; "done" when it succeeded)
+    verdict: str = ""  # "restarted (rule 'signal')", ...
+
+    @property
+    def duration(self) -> float:
+        return (self.ended or time.time()) - self.started
+
+
+class ElasticState(JobState):
+    """A :class:`~nbdist.JobState` that lives through several attempts.
+
+    The attempts' jobs feed it as any job feeds its state; their ``finish`` only closes the
+    attempt's unfinished lines, and the job's own end is :meth:`close`.
+    """
+
+    def __init__(self, job_id: str, backend: str, np: int, max_restarts: int) -> None:
+        super().__init__(job_id, backend, np)
+        self.max_restarts = max_restarts
+        self.attempts: list[Attempt] = []
+        #: Takes rank 0's reported metrics, whichever attempt sends them (``--mlflow``).
+        self.metrics_sink: Callable[[dict[str, Any]], None] | None = None
+
+    def apply(self, rank: int, event: Mapping[str, Any]) -> None:
+        super().apply(rank, event)
+        sink = self.metrics_sink
+        if sink is not None and rank == 0 and event.get("t") == "metrics":
+            sink(event.get("values") or {})
+
+    @property
+    def total(self) -> int:
+        return self.max_restarts + 1
+
+    def begin(self, number: int, job_id: str, why: str) -> None:
+        """A new attempt: ranks start over (their logs go on), each marked in the log."""
+        marker = f"── nbdist: attempt {number} of {self.total}{f': {why}' if why else ''} ──"
+        with self.lock:
+            self._close_lines()
+            for i, old in enumerate(self.ranks):
+                rank = RankState(i, log=old.log, lines=old.lines)
+                self.ranks[i] = rank
+                if self.max_restarts:  # a job that cannot restart has nothing to mark
+                    self._output(rank, "o", [[marker, "\n"]])
+            self.attempts.append(Attempt(number, job_id, time.time()))
+            if self.max_restarts:
+                self.note = f"attempt {number} of {self.total}" + (f" · {why}" if why else "")
+            self.version += 1
+
+    def end_attempt(self, cause: str, verdict: str) -> None:
+        with self.lock:
+            if self.attempts:
+                last = self.attempts[-1]
+                last.ended, last.cause, last.verdict = time.time(), cause, verdict
+            self.version += 1
+
+    def set_note(self, note: str) -> None:
+        with self.lock:
+            if note != self.note:
+                self.note = note
+                self.version += 1
+
+    def finish(self, status: str, reason: str = "") -> None:
+        """An attempt's end: the job goes on or ends by :meth:`close`."""
+        with self.lock:
+            self._close_lines()
+            self.version += 1
+
+    def close(self, final: str, reason: str = "") -> None:
+        """The job's end, after its last attempt."""
+        super().finish(final, reason)
+
+    def _close_lines(self) -> None:
+        for (rank, stream), text in list(self._partial.items()):
+            if text:
+                self._output(self.ranks[rank], stream, [["", "\n"]])

@@ -73,7 +73,7 @@ class MetricsLogger:
     """Logs rank 0's reported metrics into an MLflow run from the driver, with steps.
 
     Each ``put`` is one report as it reached the driver: the channel sends metrics at most a
-    few times a second per rank and merges those reported in between (``events.LAZY_S``), so
+    few times a second per rank and merges those reported in between (``rank.client.LAZY_S``), so
     this logs the latest value of each metric per send, not every value reported. A reported
     ``step`` is the step of the values sent with it; without one, a metric's step counts its
     values logged so far (0, 1, 2, ...). Logging runs on its own thread, never on the event

@@ -135,7 +135,7 @@ def _tf_workers(hellos: Mapping[int, Hello], world_size: int) -> list[str] | Non
 
     Two ranks of one host that offered the same port would make one TensorFlow worker fail to
     start its server: an error here is clearer (and reservations held until the rank starts,
-    as ``rank.py`` does, make it impossible between nbdist's own ranks).
+    as ``rank/supervisor.py`` does, make it impossible between nbdist's own ranks).
     """
     workers = []
     for rank in range(world_size):

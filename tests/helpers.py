@@ -36,12 +36,12 @@ def running_job(np: int = 2) -> JobState:
 
 
 def is_rank(proc: psutil.Process) -> bool:
-    """A rank's interpreter: started fresh (it runs nbdist.runtime), or forked by a zygote
+    """A rank's interpreter: started fresh (it runs nbdist.rank.runtime), or forked by a zygote
     (it shows the zygote's command line, and so does its parent)."""
     from nbdist.launch import executor_zygote, zygote
 
     cmd = " ".join(proc.cmdline())
-    if "nbdist.runtime" in cmd:
+    if "nbdist.rank.runtime" in cmd:
         return True
     for command in (zygote.COMMAND, executor_zygote.COMMAND):
         parent = proc.parent() if command in cmd else None

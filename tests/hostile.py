@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from nbdist import events
+from nbdist import channel, events
 
 #: How to build the bytes sent, given the challenge's nonce.
 Payload = Callable[[str], bytes]
@@ -63,7 +63,7 @@ def malformed(job_id: str) -> list[tuple[str, Payload]]:
         ("a number", _raw(b"3\n")),
         ("null", _raw(b"null\n")),
         ("a string", _raw(b'"hello"\n')),
-        ("a line longer than MAX_HELLO_BYTES", _raw(b"x" * (events.MAX_HELLO_BYTES + 10))),
+        ("a line longer than MAX_HELLO_BYTES", _raw(b"x" * (channel.MAX_HELLO_BYTES + 10))),
         ("an HTTP request", _raw(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")),
         ("an announced binary block before the hello", _raw(b'{"t":"x","raw":10}\n0123456789')),
     ]

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
-from nbdist.events import free_port
+from nbdist.channel import free_port
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

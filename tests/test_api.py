@@ -42,7 +42,7 @@ def test_import_and_load_ext_work_without_torch_or_pyspark() -> None:
 def test_rank_side_modules_stay_light() -> None:
     """The rank's interpreter imports neither IPython nor ipywidgets."""
     code = (
-        "import sys\nimport nbdist.runtime, nbdist.rank\n"
+        "import sys\nimport nbdist.rank.runtime, nbdist.rank.supervisor\n"
         "heavy = ('IPython', 'ipywidgets', 'pyspark', 'torch')\n"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )

@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nbdist"
 #: Packages whose modules the table describes as one (their insides are their own business).
 WHOLE = ("capture", "views")
+#: Packages whose modules each have their own row.
+SUBPACKAGES = ("launch", "rank")
 
 
 def _unit(module: str) -> str:
@@ -21,8 +23,8 @@ def _unit(module: str) -> str:
         return "__init__.py"
     if parts[0] in WHOLE:
         return parts[0] + "/"
-    if parts[0] == "launch":
-        return "launch/" + (parts[1] if len(parts) > 1 else "__init__") + ".py"
+    if parts[0] in SUBPACKAGES:
+        return f"{parts[0]}/" + (parts[1] if len(parts) > 1 else "__init__") + ".py"
     return parts[0] + ".py"
 
 
@@ -84,20 +86,29 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def _table() -> dict[str, set[str]]:
-    """The module table of docs/architecture.md: module → its "imports" column."""
+def _column(title: str) -> dict[str, str]:
+    """One column of docs/architecture.md's module table: module → the cell's text."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     header = next(line for line in text.splitlines() if line.startswith("| module |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    at = columns.index("imports")
-    table: dict[str, set[str]] = {}
+    at = columns.index(title)
+    column: dict[str, str] = {}
     for line in text.splitlines():
         if not line.startswith("| `"):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         for name in re.findall(r"`([^`]+)`", cells[0]):
-            table[name] = set(re.findall(r"`([^`]+)`", cells[at]))
-    return table
+            column[name] = cells[at]
+    return column
+
+
+def _table() -> dict[str, set[str]]:
+    """The module table of docs/architecture.md: module → its "imports" column."""
+    return {name: set(re.findall(r"`([^`]+)`", cell)) for name, cell in _column("imports").items()}
+
+
+#: What the views may read: the driver's model of jobs and what it is made of.
+MODEL = {"state.py", "series.py", "timeline.py", "protocol.py", "lines.py", "resources.py"}
 
 
 def test_the_imports_column_matches_the_real_imports() -> None:
@@ -156,3 +167,22 @@ def test_there_is_no_import_cycle() -> None:
         if unit not in state:
             visit(unit, [unit])
     assert not cycles, cycles
+
+
+def test_every_module_says_where_it_runs_and_the_rank_side_imports_no_kernel_module() -> None:
+    """Each module's "runs on" is kernel, rank or both; every module in ``nbdist/rank/`` runs on
+    a rank; and a module that runs on a rank (alone or also in the kernel) imports no module
+    that runs only in the kernel, so a rank never loads the kernel's machinery."""
+    sides, graph = _column("runs on"), _graph()
+    assert set(sides.values()) <= {"kernel", "rank", "both"}, sides
+    assert {m for m in graph if m.startswith("rank/")} <= {m for m, s in sides.items()
+                                                            if s == "rank"}
+    wrong = {m: sorted(d for d in graph[m] if sides[d] == "kernel")
+             for m in graph if sides[m] != "kernel"}
+    assert not any(wrong.values()), {m: d for m, d in wrong.items() if d}
+
+
+def test_the_views_read_only_the_model() -> None:
+    """``views/`` renders the driver's model (state, its series, timeline, resources and the
+    protocol's types), never the job, session, restart or launch layers that feed it."""
+    assert _graph()["views/"] <= MODEL, sorted(_graph()["views/"] - MODEL)

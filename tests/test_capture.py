@@ -302,7 +302,7 @@ def test_capture_takes_exactly_what_the_cell_needs(ip: Any, shape: Shape) -> Non
 
 RUNNER = textwrap.dedent("""
     import sys, traceback, cloudpickle
-    from nbdist import runtime
+    from nbdist.rank import runtime
     with open(sys.argv[1], "rb") as f:
         payloads = cloudpickle.load(f)
     results = {}

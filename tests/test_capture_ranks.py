@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from nbdist import job as jobs
+from nbdist.channel import free_port
 from nbdist.errors import CaptureError, CaptureWarning, DistributedError
-from nbdist.events import free_port
 
 from .helpers import rank_processes, run
 

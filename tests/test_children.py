@@ -1,5 +1,5 @@
 """Children of a rank: notebook classes and functions reach spawned, forkserver and forked
-children (nbdist/_children.py), notebook logging reaches the ranks (nbdist/_logcarry.py), and
+children (nbdist/rank/children.py), notebook logging reaches the ranks (nbdist/_logcarry.py), and
 Lightning's forking strategies are caught (nbdist/capture/_launchers.py, nbdist/hints.py).
 
 The table (start method × DataLoader workers, Pool, ProcessPoolExecutor,

@@ -18,7 +18,7 @@ import nbdist
 from nbdist import elastic, state
 from nbdist.elastic import AttemptEnd, judge
 from nbdist.protocol import RankStatus
-from nbdist.rank import RankOutcome
+from nbdist.rank.supervisor import RankOutcome
 from nbdist.views import status
 
 from .helpers import wait_for
@@ -71,7 +71,7 @@ def test_state_through_attempts_keeps_logs_and_resets_ranks() -> None:
     header, the text view and %dist_status JOB show the attempts."""
     from nbdist.views.widget import Panel
 
-    job = elastic.ElasticState("j9", "local", 2, max_restarts=2)
+    job = state.ElasticState("j9", "local", 2, max_restarts=2)
     job.begin(1, "j10", "")
     for r in range(2):
         job.apply(r, {"t": "state", "state": "running"})
@@ -369,7 +369,7 @@ def test_a_restart_without_the_event_channel_still_counts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Ranks that cannot reach the driver's event server plan their world through the
-    backend (rank.py's fallback rendezvous): the second attempt still sees its restart count,
+    backend (the supervisor's fallback rendezvous): the second attempt still sees its restart count,
     run id and checkpoint directory, which reach local ranks at the rendezvous only."""
     from nbdist.errors import OutputLostWarning
     from nbdist.launch.local import LocalLauncher

@@ -11,7 +11,8 @@ from typing import cast
 
 import pytest
 
-from nbdist import events
+from nbdist import channel, events
+from nbdist.rank.client import EventClient
 
 from . import hostile
 from .helpers import wait_for
@@ -43,10 +44,10 @@ def server() -> Iterator[events.EventServer]:
 
 def test_authenticated_client_round_trip(server: events.EventServer) -> None:
     """A client with the job's secret delivers output in order and gets the driver's messages."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     got: list[dict[str, object]] = []
-    client = events.EventClient(server.address, "j1", 3, secret, {"host": "h"}, got.append)
+    client = EventClient(server.address, "j1", 3, secret, {"host": "h"}, got.append)
     for i in range(100):
         client.send({"t": "out", "s": "o", "text": f"{i}\n"})
     expected = "".join(f"{i}\n" for i in range(100))
@@ -67,9 +68,9 @@ def test_the_last_output_arrives_when_the_driver_writes_during_the_close(
     server: events.EventServer,
 ) -> None:
     """Messages from the driver while a client closes do not cost the rank its last lines."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
-    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
     wait_for(lambda: rec.connected, 10, "the hello")
     chunk = ("x" * 999 + "\n") * 100
     for _ in range(100):  # 10 MB: still being read by the server when the client closes
@@ -90,9 +91,9 @@ def test_the_last_output_arrives_when_the_driver_writes_during_the_close(
 
 def test_lazy_events_are_coalesced_and_close_sends_them(server: events.EventServer) -> None:
     """Progress keeps the latest update per bar, metrics merge, heartbeats fold; none is lost."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
-    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
     for i in range(1, 101):
         client.send({"t": "progress", "id": 1, "n": i, "total": 100})
         client.send({"t": "progress", "id": 2, "n": 2 * i, "total": 200})
@@ -119,11 +120,11 @@ def test_lazy_events_are_coalesced_and_close_sends_them(server: events.EventServ
 
 def test_a_line_may_carry_an_array_of_events(server: events.EventServer, raw) -> None:
     """Protocol 2: one line with an array of events delivers each; an array of junk is refused."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     sock, nonce = raw()
-    sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
-                                "mac": events.sign(secret, nonce, "j1", 0)}))
+    sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": 0,
+                                "mac": channel.sign(secret, nonce, "j1", 0)}))
     sock.sendall(b'[{"t": "hb"}, {"t": "metrics", "values": {"a": 1}}]\n')
     wait_for(lambda: len(rec.events) == 2, 10, "both events of the array")
     assert [e["t"] for _, e in rec.events] == ["hb", "metrics"]
@@ -157,12 +158,12 @@ def _closed(sock: socket.socket) -> bool:
 
 def test_wrong_secret_garbage_and_replay_are_rejected(server: events.EventServer, raw) -> None:
     """Bad MACs, non-JSON and a hello replayed on a new connection are dropped and counted."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
 
     sock, nonce = raw()
-    sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
-                                "mac": events.sign(events.new_secret(), nonce, "j1", 0)}))
+    sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": 0,
+                                "mac": channel.sign(channel.new_secret(), nonce, "j1", 0)}))
     assert _closed(sock)
 
     sock, _ = raw()
@@ -170,19 +171,19 @@ def test_wrong_secret_garbage_and_replay_are_rejected(server: events.EventServer
     assert _closed(sock)
 
     sock, nonce = raw()
-    good = events.encode({"t": "hello", "job": "j1", "rank": 0,
-                          "mac": events.sign(secret, nonce, "j1", 0)})
+    good = channel.encode({"t": "hello", "job": "j1", "rank": 0,
+                          "mac": channel.sign(secret, nonce, "j1", 0)})
     sock.sendall(good)
     sock2, _ = raw()
     sock2.sendall(good)  # the same hello against another nonce
     assert _closed(sock2)
 
     sock3, _ = raw()
-    sock3.sendall(b"x" * (events.MAX_HELLO_BYTES + 10))  # an endless first line
+    sock3.sendall(b"x" * (channel.MAX_HELLO_BYTES + 10))  # an endless first line
     assert _closed(sock3)
 
     wait_for(lambda: server.rejected == 4, 10, "4 rejections")
-    sock.sendall(events.encode({"t": "metrics", "values": {"ok": 1}}))
+    sock.sendall(channel.encode({"t": "metrics", "values": {"ok": 1}}))
     wait_for(lambda: rec.events, 10, "the legitimate event")
     assert rec.connected == [0]
     sock.close()
@@ -191,7 +192,7 @@ def test_wrong_secret_garbage_and_replay_are_rejected(server: events.EventServer
 def test_unknown_job_is_rejected(raw) -> None:
     """A hello for a job the server does not know is dropped."""
     sock, nonce = raw()
-    sock.sendall(events.encode({"t": "hello", "job": "nope", "rank": 0, "mac": "00"}))
+    sock.sendall(channel.encode({"t": "hello", "job": "nope", "rank": 0, "mac": "00"}))
     assert _closed(sock)
 
 
@@ -200,13 +201,13 @@ def test_the_server_paces_its_clients_by_how_many_are_connected(
 ) -> None:
     """More connections make the server ask every client to write less often; fewer, more."""
     monkeypatch.setattr(events, "MAX_WRITES_PER_S", 100)
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     readers = []
     for rank in range(3):
         sock, nonce = raw()
-        sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": rank,
-                                    "mac": events.sign(secret, nonce, "j1", rank)}))
+        sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": rank,
+                                    "mac": channel.sign(secret, nonce, "j1", rank)}))
         readers.append((sock, sock.makefile("rb")))
     wait_for(lambda: len(rec.connected) == 3, 10, "three ranks")
 
@@ -228,9 +229,9 @@ def test_the_server_paces_its_clients_by_how_many_are_connected(
 def test_a_paced_client_holds_what_follows_a_write(server: events.EventServer) -> None:
     """Told to write at most every 30 s, a client sends a first event at once, holds the next
     (merged with what follows) and sends it when closed."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
-    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
     wait_for(lambda: rec.connected, 10, "the hello")
     assert server.send("j1", 0, {"t": "pace", "every": 30})
     wait_for(lambda: client._every == 30, 10, "the pace")
@@ -249,7 +250,7 @@ def test_free_port_is_below_the_ephemeral_range() -> None:
     """MASTER_PORT candidates come from outside the range the kernel hands out itself."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
-    port = events.free_port()
+    port = channel.free_port()
     assert 10000 <= port < low
     socket.create_server(("", port)).close()
 
@@ -260,13 +261,13 @@ def test_every_malformed_input_closes_its_connection_and_the_server_goes_on(
 ) -> None:
     """Deep nesting, a non-ASCII mac, huge numbers, wrong types in every field, NUL bytes, bad
     UTF-8: each connection is closed and counted, and then a rank still gets through."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     cases = hostile.malformed("j1")
     assert hostile.send_each(server.address, cases) == []
     wait_for(lambda: server.rejected == len(cases), 10, f"{len(cases)} rejections")
     assert server._thread.is_alive()
-    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
     client.send({"t": "out", "s": "o", "text": "still here\n"})
     wait_for(lambda: rec.events, 10, "the rank's line")
     client.close()
@@ -274,13 +275,13 @@ def test_every_malformed_input_closes_its_connection_and_the_server_goes_on(
 
 def test_a_hello_for_a_job_that_just_ended_is_rejected(server: events.EventServer) -> None:
     """A correctly signed hello for a job removed from the server is closed and counted."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     server.remove_job("j1")
     sock, nonce = hostile.greet(server.address)
     with sock:
-        sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
-                                    "mac": events.sign(secret, nonce, "j1", 0)}))
+        sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": 0,
+                                    "mac": channel.sign(secret, nonce, "j1", 0)}))
         assert hostile.closed_on_us(sock)
     wait_for(lambda: server.rejected == 1, 10, "the rejection")
     assert rec.connected == []
@@ -291,16 +292,16 @@ def test_an_authenticated_connection_breaking_the_protocol_is_closed_alone(
 ) -> None:
     """After its hello, deep nesting, bad block sizes or a block inside an array close that
     connection only; another rank of the job goes on."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
-    other = events.EventClient(server.address, "j1", 1, secret, {}, lambda m: None)
+    other = EventClient(server.address, "j1", 1, secret, {}, lambda m: None)
     bad = [b"[" * 5000 + b"\n", b'{"t":"x","raw":-1}\n', b'{"t":"x","raw":"10"}\n',
-           b'{"t":"x","raw":%d}\n' % (events.MAX_BLOCK_BYTES + 1), b'[{"t":"x","raw":1}]\n',
+           b'{"t":"x","raw":%d}\n' % (channel.MAX_BLOCK_BYTES + 1), b'[{"t":"x","raw":1}]\n',
            b'{"t":"x","raw":1.5}\n', b"\xff\n"]
     for line in bad:
         sock, nonce = raw()
-        sock.sendall(events.encode({"t": "hello", "job": "j1", "rank": 0,
-                                    "mac": events.sign(secret, nonce, "j1", 0)}) + line)
+        sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": 0,
+                                    "mac": channel.sign(secret, nonce, "j1", 0)}) + line)
         assert _closed(sock)
     wait_for(lambda: server.rejected == len(bad), 10, "every bad connection counted")
     other.send({"t": "out", "s": "o", "text": "rank 1 goes on\n"})
@@ -317,26 +318,26 @@ def test_a_handler_that_raises_on_connect_costs_only_that_connection(
         def on_connect(self, rank: int, hello: dict[str, object]) -> None:
             raise RuntimeError("a bug in a job's handler")
 
-    secret = events.new_secret()
+    secret = channel.new_secret()
     server.add_job("broken", secret, Broken())
-    client = events.EventClient(server.address, "broken", 0, secret, {}, lambda m: None)
+    client = EventClient(server.address, "broken", 0, secret, {}, lambda m: None)
     wait_for(lambda: not client.alive, 10, "the connection closed")
     client.close()
     assert server.rejected == 1
     rec = Recorder()
     server.add_job("j2", secret, rec)
-    good = events.EventClient(server.address, "j2", 0, secret, {}, lambda m: None)
+    good = EventClient(server.address, "j2", 0, secret, {}, lambda m: None)
     wait_for(lambda: rec.connected == [0], 10, "the next rank")
     good.close()
 
 
 def test_binary_blocks_reach_the_job_whole_and_in_order(server: events.EventServer) -> None:
     """Events with bytes data travel as raw blocks, between ordinary events, in order."""
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
-    client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
     assert client.protocol >= 3
-    blobs = [bytes([i]) * (i * 100_003 % events.MAX_BLOCK_BYTES) for i in range(1, 30)]
+    blobs = [bytes([i]) * (i * 100_003 % channel.MAX_BLOCK_BYTES) for i in range(1, 30)]
     blobs.append(b"\n" * 1000 + b"[" * 1000)  # block bytes are never read as lines
     for i, blob in enumerate(blobs):
         client.send({"t": "blob", "i": i, "data": blob})
@@ -374,9 +375,9 @@ def test_a_thousand_idle_strangers_are_cut_and_counted_and_a_rank_gets_in(
     with hostile.more_files(2600):
         strangers = [socket.create_connection(server.address, timeout=30) for _ in range(1000)]
         try:
-            rec, secret = Recorder(), events.new_secret()
+            rec, secret = Recorder(), channel.new_secret()
             server.add_job("j1", secret, rec)
-            client = events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+            client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
             client.send({"t": "out", "s": "o", "text": "in\n"})
             wait_for(lambda: rec.events, 30, "the rank's line")
             wait_for(lambda: server.rejected == 1000, 60, "every stranger cut")
@@ -405,12 +406,12 @@ def test_a_reconnect_storm_leaves_one_connection_per_rank(server: events.EventSe
     closed on the server's side, one is left, and no descriptor is left behind."""
     import psutil
 
-    rec, secret = Recorder(), events.new_secret()
+    rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     fds_before = psutil.Process().num_fds()
     clients = []
     for _ in range(100):
-        clients.append(events.EventClient(server.address, "j1", 0, secret, {}, lambda m: None))
+        clients.append(EventClient(server.address, "j1", 0, secret, {}, lambda m: None))
     wait_for(lambda: len(rec.connected) == 100, 30, "every hello")
     wait_for(lambda: not any(c.alive for c in clients[:-1]), 30, "the replaced ones closed")
     assert clients[-1].alive and len(server._conns) == 1 and server.rejected == 0

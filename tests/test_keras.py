@@ -99,7 +99,7 @@ def test_each_local_rank_gets_a_distinct_port_it_can_bind() -> None:
 
 def test_the_reservation_is_held_during_the_rendezvous() -> None:
     """A supervisor's reserved port cannot be bound by anyone else until its rank starts."""
-    from nbdist.rank import RankSpec, Supervisor
+    from nbdist.rank.supervisor import RankSpec, Supervisor
 
     sup = Supervisor(RankSpec(rank=1, world_size=2, job_id="j", secret="00", driver=("h", 1),
                               payload=b""))

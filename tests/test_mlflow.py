@@ -85,7 +85,7 @@ def _report(n: int) -> None:
 
     for step in range(n):
         nbdist.report(loss=1.0 / (step + 1), step=step, note="text is not a metric")
-        time.sleep(0.4)  # longer than the channel's merging of metrics (events.LAZY_S)
+        time.sleep(0.4)  # longer than the channel's merging of metrics (rank.client.LAZY_S)
 
 
 def test_mlflow_option_logs_rank_0s_reports_with_their_steps(notebook_run: Any) -> None:

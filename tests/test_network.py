@@ -17,8 +17,8 @@ import cloudpickle
 import pytest
 
 import nbdist
-from nbdist import events, launch, state
-from nbdist.rank import RankSpec, Supervisor, interface_to
+from nbdist import channel, events, launch, state
+from nbdist.rank.supervisor import RankSpec, Supervisor, interface_to
 from nbdist.views.text import TextView
 from nbdist.world import Hello, plan_world
 
@@ -130,12 +130,12 @@ class _World:
         self.server, self.job = server, job
         self.connected = threading.Event()
 
-    def on_connect(self, rank: int, hello: events.Event) -> None:
+    def on_connect(self, rank: int, hello: channel.Event) -> None:
         env = plan_world({0: Hello.from_event(0, hello)}, 1, "run", self.job)[0]
         self.server.send(self.job, rank, {"t": "world", "env": env})
         self.connected.set()
 
-    def on_event(self, rank: int, event: events.Event) -> None:
+    def on_event(self, rank: int, event: channel.Event) -> None:
         pass
 
     def on_disconnect(self, rank: int) -> None:
@@ -148,7 +148,7 @@ def test_a_rank_stops_when_its_driver_falls_silent(pinged: bool) -> None:
     """With a heartbeat timeout, a rank whose driver says nothing stops; pings keep it alive."""
     timeout = 3.0
     server = events.EventServer()
-    secret = events.new_secret()
+    secret = channel.new_secret()
     world = _World(server, "keepalive")
     server.add_job("keepalive", secret, world)
     def forever() -> None:

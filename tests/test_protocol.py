@@ -8,7 +8,7 @@ import typing
 
 from nbdist.launch.spark import _outcome
 from nbdist.protocol import OutcomeFields, RankStatus
-from nbdist.rank import RankOutcome
+from nbdist.rank.supervisor import RankOutcome
 
 
 def test_outcome_fields_are_the_fields_of_rank_outcome_with_their_types() -> None:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from nbdist.protocol import HelloEvent
-from nbdist.rank import RankSpec, Supervisor
+from nbdist.rank.supervisor import RankSpec, Supervisor
 
 pytestmark = pytest.mark.timeout(60)
 

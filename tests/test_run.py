@@ -297,7 +297,7 @@ def test_run_rejects_bad_arguments() -> None:
 def test_a_silent_rank_still_sends_heartbeats(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
     """A rank that prints nothing is still heard from, so it is not mistaken for a lost one."""
-    from nbdist import rank as rank_module
+    from nbdist.rank import supervisor as rank_module
 
     monkeypatch.setattr(rank_module, "HEARTBEAT_S", 0.05)
     gate = tmp_path / "gate"

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nbdist import events, values
+from nbdist import channel, values
 
 
 def _send(value: Any, secret: str, cell: int) -> tuple[list[int], list[bytes], str]:
@@ -30,7 +30,7 @@ def _send(value: Any, secret: str, cell: int) -> tuple[list[int], list[bytes], s
 def test_a_large_array_arrives_whole_in_the_buffer_it_was_received_in() -> None:
     """A 20 MB array travels out of band in CHUNK pieces and is rebuilt on the received buffer
     (no copy), next to small values kept in the pickle stream."""
-    secret = events.new_secret()
+    secret = channel.new_secret()
     arr = np.arange(5_000_000, dtype=np.float32)
     value = {"weights": arr, "step": 3, "small": np.ones(10)}
     sizes, pieces, mac = _send(value, secret, 7)
@@ -62,7 +62,7 @@ class Trap:
                                     "a non-ASCII signature", "no signature"])
 def test_a_tampered_value_is_never_unpickled(tmp_path: Path, tamper: str) -> None:
     """Any change to the bytes, sizes, cell number or signature is refused before unpickling."""
-    secret = events.new_secret()
+    secret = channel.new_secret()
     trap = tmp_path / "unpickled"
     sizes, pieces, mac = _send([Trap(str(trap)), np.zeros(100_000, np.uint8)], secret, 2)
     assert len(sizes) == 2  # the array out of band, then the stream
@@ -95,7 +95,7 @@ def test_a_tampered_value_is_never_unpickled(tmp_path: Path, tamper: str) -> Non
 
 def test_more_or_fewer_bytes_than_announced_are_refused() -> None:
     """A piece past the announced sizes, or a value ended early, is a ValueError; bad sizes too."""
-    secret = events.new_secret()
+    secret = channel.new_secret()
     sizes, pieces, mac = _send(os.urandom(300_000), secret, 1)
     receiver = values.Receiver(secret, 1, sizes)
     with pytest.raises(ValueError, match="ended after 0 of"):
@@ -111,7 +111,7 @@ def test_more_or_fewer_bytes_than_announced_are_refused() -> None:
 
 def test_pieces_read_in_place_are_not_copied_again() -> None:
     """A piece read into the buffer the receiver lent is taken as it is; others are copied."""
-    secret = events.new_secret()
+    secret = channel.new_secret()
     arr = np.arange(3_000_000, dtype=np.int32)
     sizes, pieces, mac = _send(arr, secret, 4)
     receiver = values.Receiver(secret, 4, sizes)
@@ -131,7 +131,7 @@ def test_tensors_round_trip_with_their_sharing_and_grad() -> None:
     """Large CPU tensors travel as out-of-band arrays and come back equal, with requires_grad,
     and two tensors of one storage still share it; the rest goes through torch's pickling."""
     torch = pytest.importorskip("torch")
-    secret = events.new_secret()
+    secret = channel.new_secret()
     w = torch.randn(512, 256, requires_grad=True)
     flat = torch.arange(200_000, dtype=torch.int64)
     value = {

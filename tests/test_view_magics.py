@@ -12,7 +12,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import nbdist
-from nbdist import events, state
+from nbdist import channel, events, state
 from nbdist import job as jobs
 
 from .helpers import rank_processes, run, wait_for
@@ -132,8 +132,8 @@ def test_strangers_on_the_event_channel_are_rejected_and_the_job_goes_on(
             reader = sock.makefile("rb")
             nonce = __import__("json").loads(reader.readline())["nonce"]
             if attempt is None:  # a well-formed hello for this job, signed with another secret
-                mac = events.sign(events.new_secret(), nonce, job.id, 0)
-                attempt = events.encode({"t": "hello", "job": job.id, "rank": 0, "mac": mac})
+                mac = channel.sign(channel.new_secret(), nonce, job.id, 0)
+                attempt = channel.encode({"t": "hello", "job": job.id, "rank": 0, "mac": mac})
             sock.sendall(attempt)
             assert reader.read() == b""  # the server hung up
             reader.close()

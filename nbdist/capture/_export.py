@@ -4,7 +4,7 @@
 (imports by name, values with their kind and pickled size, names left out). :func:`write_export`
 writes a standalone script for ``torchrun`` that does not import nbdist: the imports, a loader
 for the values (saved next to it), a stand-in for ``get_ipython()`` when the cell runs shell
-commands (the rank's own, copied from ``shell.py``), and the cell.
+commands (the rank's own, copied from ``rank/shell.py``), and the cell.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from nbdist.capture._scope import FUNCS
 from nbdist.capture._ship import human_size
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, last_expr
-from nbdist.shell import RankShell
+from nbdist.rank.shell import RankShell
 
 if TYPE_CHECKING:
     from nbdist.capture._api import Captured

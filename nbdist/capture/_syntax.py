@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from nbdist.errors import CaptureError
 
-#: Line magics that can run on a rank; ``RankShell`` in ``shell.py`` implements them.
+#: Line magics that can run on a rank; ``RankShell`` in ``rank/shell.py`` implements them.
 RANK_MAGICS = frozenset({"pip", "sx", "system"})
 
 #: The compiler flag of ``from __future__ import annotations``: the only future feature that

@@ -1,7 +1,7 @@
 """Backends: start a job's ranks, report how each ended, cancel them, tell their capacity.
 
 Every backend implements :class:`Launcher` and hands each rank to the same supervisor
-(``nbdist.rank``); only where that supervisor runs differs.
+(``nbdist.rank.supervisor``); only where that supervisor runs differs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nbdist.events import DriverAddress
-from nbdist.rank import RankOutcome
+from nbdist.rank.supervisor import RankOutcome
 
 #: How long a remote rank and the driver each wait to hear from the other before they take
 #: it for gone (a network cut off, a host powered down: no connection reset ever comes).

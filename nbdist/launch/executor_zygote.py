@@ -57,7 +57,7 @@ import time
 from typing import Literal, TypedDict, cast
 
 from nbdist.launch.zygote import ExitMsg, Forked, ForkedMsg, ForkMsg, import_modules
-from nbdist.rank import RankProcess, RankSpec, new_sync_marker
+from nbdist.rank.supervisor import RankProcess, RankSpec, new_sync_marker
 from nbdist.timeline import END, EXIT
 
 #: How the zygote is started; the ranks it forks show the same command line.
@@ -168,7 +168,7 @@ def _executor_prefix() -> str:
 
 def key(app: str, spec: RankSpec) -> str:
     """The hash naming the zygote a rank of ``spec`` may be forked from on this host."""
-    from nbdist.launch.local import installation_stamp, process_attributes
+    from nbdist.launch.zygote import installation_stamp, process_attributes
 
     env = sorted({**os.environ, **spec.env}.items())
     text = json.dumps([app, spec.python, spec.cwd or os.getcwd(), env,
@@ -469,7 +469,7 @@ class _Server:
     """The zygote's loop: connections, forks, exits, and the reasons to go."""
 
     def __init__(self, config: ExecutorConfig) -> None:
-        from nbdist.runtime import become_subreaper, module_files
+        from nbdist.rank.runtime import become_subreaper, module_files
 
         self.path = str(config["path"])
         self.secret = str(config["secret"])
@@ -518,7 +518,7 @@ class _Server:
     def _warm(self, modules: list[str], nice: int = 0) -> tuple[bool, str, bool]:
         """Import what is new of ``modules``; (safe, why, stale)."""
         from nbdist.launch.zygote import fork_safety
-        from nbdist.runtime import changed_file, module_files
+        from nbdist.rank.runtime import changed_file, module_files
 
         changed = changed_file(self.files)
         if changed is not None:
@@ -679,7 +679,7 @@ class _Server:
         os._exit(70)
 
     def _reap(self) -> None:
-        from nbdist.runtime import end_orphans
+        from nbdist.rank.runtime import end_orphans
 
         ended = []
         while True:
@@ -727,7 +727,7 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.close(devnull)
-    import nbdist.runtime  # noqa: F401  (what every rank runs, loaded once here)
+    import nbdist.rank.runtime  # noqa: F401  (what every rank runs, loaded once here)
 
     _Server(config).serve()
 

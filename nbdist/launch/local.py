@@ -21,13 +21,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from nbdist import runtime, timeline
+from nbdist import timeline
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, LaunchRequest, gpus_text, no_gpu_hint
-from nbdist.launch.zygote import Zygote
+from nbdist.launch.zygote import Zygote, installation_stamp, process_attributes
 from nbdist.protocol import Frame, HelloEvent, RankStatus
-from nbdist.rank import RankOutcome, RankProcess, RankSpec, Supervisor
+from nbdist.rank import runtime
+from nbdist.rank.supervisor import RankOutcome, RankProcess, RankSpec, Supervisor
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
 WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
@@ -76,53 +77,6 @@ def _user_paths() -> str:
         keep.append(os.path.abspath(entry))
     old = os.environ.get("PYTHONPATH")
     return os.pathsep.join([*keep, *([old] if old else [])])
-
-
-def installation_stamp() -> tuple[int, ...]:
-    """When the installation last changed: ``%pip install`` touches site-packages, and what a
-    zygote or warm interpreter imported before that is not what a fresh rank would import.
-    (A file edited in place inside site-packages does not touch the directory: a zygote finds
-    that itself, ``zygote.py``.)"""
-    stamps = []
-    for entry in runtime.installation_dirs():
-        try:
-            stamps.append(os.stat(entry).st_mtime_ns)
-        except OSError:
-            pass
-    return tuple(stamps)
-
-
-def process_attributes() -> tuple[object, ...]:
-    """What a process started now by this thread inherits besides its environment: umask,
-    CPU affinity, nice value and resource limits.
-
-    A zygote or warm interpreter started earlier has the kernel's attributes of then; when the
-    kernel changed one since (``os.umask``, ``os.sched_setaffinity``, ``os.nice``,
-    ``resource.setrlimit``), it is not used, and the rank starts as a fresh interpreter would.
-    Affinity and nice are per thread on Linux: the supervisor threads inherit the cell's
-    thread's at launch, as do the processes they start.
-    """
-    umask = None
-    try:  # /proc reads it without setting it (os.umask would, for every thread at once)
-        with open("/proc/self/status") as status:
-            umask = next((line.split()[1] for line in status if line.startswith("Umask:")),
-                         None)
-    except OSError:
-        pass
-    affinity = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
-    try:
-        nice: int | None = os.getpriority(os.PRIO_PROCESS, 0)
-    except (AttributeError, OSError):
-        nice = None
-    limits: tuple[tuple[int, int], ...] = ()
-    try:
-        import resource
-
-        limits = tuple(resource.getrlimit(getattr(resource, name)) for name in sorted(dir(
-            resource)) if name.startswith("RLIMIT_"))
-    except (ImportError, OSError, ValueError):
-        pass
-    return (umask, affinity, nice, limits)
 
 
 def job_template(env: dict[str, str]) -> RankSpec:

@@ -2,7 +2,7 @@
 
 The driver side (:class:`SparkLauncher`) checks that the cluster can run the ranks at once,
 submits one barrier stage from a thread of its own under a job group of its own, and turns the
-stage's ``collect()`` into one :class:`~nbdist.rank.RankOutcome` per rank. The task side
+stage's ``collect()`` into one :class:`~nbdist.rank.supervisor.RankOutcome` per rank. The task side
 (:func:`run_task`) works out the rank, its host and its GPUs from ``BarrierTaskContext``
 (``partitionId()``, ``getTaskInfos()`` and ``resources()`` cost nothing) and calls the same
 supervisor as the local backend. Ports and host grouping are agreed over nbdist's own event
@@ -13,7 +13,7 @@ of their hellos, run without live output, and return their results through ``col
 Stopping: the job tells every supervisor to stop its rank, and only tasks that have not ended
 after ``CANCEL_GRACE_S`` are cancelled through this job's Spark job group. When a task's Python
 worker dies however it happens (Spark kills it, an executor is lost), its rank sees its control
-pipe close and kills its own process group (``runtime.py``).
+pipe close and kills its own process group (``rank/runtime.py``).
 
 pyspark is imported lazily: this module is only imported when Spark is used, and the task side
 runs inside Spark's Python workers.
@@ -27,19 +27,17 @@ import os
 import re
 import secrets
 import signal
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any, cast
+from typing import Any
 
-from nbdist import events, launch
+from nbdist import channel, events, launch
 from nbdist.errors import CapacityError, LaunchError
 from nbdist.launch import Capacity, LaunchRequest, gpus_text
-from nbdist.protocol import HelloEvent, OutcomeFields, RankStatus
-from nbdist.rank import RankOutcome
+from nbdist.protocol import OutcomeFields, RankStatus
+from nbdist.rank.supervisor import RankOutcome
 
 #: Executors register a moment after a session starts: in a session younger than
 #: ``YOUNG_SESSION_S``, ``check`` and ``capacity`` wait up to ``EXECUTOR_WAIT_S`` for enough
@@ -247,7 +245,7 @@ class SparkLauncher:
             spark_host = conf.get("spark.driver.host")
             host, host_from = (
                 (str(spark_host), "spark.driver.host") if spark_host
-                else (events.hostname_for_peers(), "this machine's address")
+                else (channel.hostname_for_peers(), "this machine's address")
             )
         port_text, port_from = launch.setting("driver_port")
         try:
@@ -552,7 +550,7 @@ def _barrier_task(request: LaunchRequest, version: str,
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
         try:
-            from nbdist.launch.spark import run_task
+            from nbdist.rank.task import run_task
         except ImportError as exc:  # said here, not as an unpickling error deep in Spark's log
             import socket
             import sys
@@ -571,125 +569,3 @@ def _barrier_task(request: LaunchRequest, version: str,
                              run_id, session, heartbeat_timeout, scheduled, warm, modules)
 
     return nbdist_rank
-
-
-def run_task(
-    ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
-    payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
-    session: bool = False, heartbeat_timeout: float | None = None, scheduled: float = 0.0,
-    warm: tuple[str, str, float] | None = None, modules: tuple[str, ...] = (),
-) -> OutcomeFields:
-    """Run one rank inside its barrier task with the shared supervisor; its outcome as fields.
-
-    With ``warm`` (the application's id, secret and idle time) the rank is forked from the
-    executor's zygote when there is one, and a rank started fresh leaves one behind for the
-    next tasks (``executor_zygote.py``)."""
-    import json
-
-    import nbdist
-    from nbdist.rank import RankSpec, Supervisor
-
-    if nbdist.__version__ != version:
-        return {"status": RankStatus.FAILED, "error": {
-            "type": "ImportError", "traceback": "",
-            "message": f"the notebook has nbdist {version} but the Spark executors' Python "
-            f"({sys.executable}) has nbdist {nbdist.__version__}: install the same version on "
-            f"both",
-        }}
-    resources = ctx.resources()
-    gpus = tuple(str(a) for a in resources["gpu"].addresses) if gpu and "gpu" in resources else ()
-    spec = RankSpec(
-        rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
-        host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
-        python=sys.executable, run_id=run_id, session=session,
-        executor=_executor_host(ctx, rank), heartbeat_timeout=heartbeat_timeout,
-        scheduled=scheduled,
-    )
-
-    def gather(hello: HelloEvent) -> list[HelloEvent]:
-        # Only when the event server is out of reach: about a second, and every task takes
-        # part (they all fail to reach the same driver address).
-        return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
-
-    zygote = _executor_zygote(spec, warm, modules)
-    sup = Supervisor(spec, take=None if zygote is None else _take(zygote, lambda: sup),
-                     gather=gather)
-    if zygote is not None:
-        sup.on_mark = zygote.on_mark
-    try:
-        outcome = sup.run()
-        if zygote is not None:
-            zygote.leave_behind(sup.modules)
-    except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
-        outcome = RankOutcome(rank, RankStatus.FAILED, error={
-            "type": type(exc).__name__, "traceback": traceback.format_exc(),
-            "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
-        })
-    return cast(OutcomeFields, dataclasses.asdict(outcome))  # tests/test_protocol.py: same fields
-
-
-def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
-                     modules: tuple[str, ...]) -> Any:
-    """The task's handle on its executor's zygote, already connecting; None when off."""
-    if warm is None:
-        return None
-    from nbdist.launch.executor_zygote import ExecutorZygote, supported
-
-    if not supported():
-        return None
-    zygote = ExecutorZygote(*warm, spec=spec)
-    zygote.connect(modules)
-    return zygote
-
-
-def _take(zygote: Any, sup: Callable[[], Any]) -> Callable[[Any], Any]:
-    """The supervisor's ``take``: a rank forked from the executor's zygote, with its marks."""
-    from nbdist import timeline
-
-    def take(spec: Any) -> Any:
-        # torch's TCPStore client backs off about half a second when rank 0's store is not
-        # listening yet: where rank 0 runs on this host too, its fork comes first.
-        rp = zygote.take(spec, rank0_here=sup().world().get("MASTER_ADDR") == spec.host)
-        if rp is not None:
-            sup().mark(timeline.ZYGOTE, zygote.ready_at)
-            sup().mark(timeline.FORKED, zygote.forked_at)
-        return rp
-
-    return take
-
-
-def _task_host(ctx: Any, rank: int) -> str:
-    """This executor's address as the other ranks should use it (MASTER_ADDR, host grouping).
-
-    ``SPARK_LOCAL_IP`` when the cluster sets it (the address Spark itself was told to use on
-    this machine), else the executor's address as the driver sees it (what TorchDistributor
-    uses for MASTER_ADDR).
-    """
-    local_ip = os.environ.get("SPARK_LOCAL_IP", "")
-    if local_ip and local_ip not in ("0.0.0.0", "::"):
-        return local_ip
-    return _executor_host(ctx, rank)
-
-
-def _executor_host(ctx: Any, rank: int) -> str:
-    """The host of this task's executor as the driver knows it (Spark's own messages use it)."""
-    address = str(ctx.getTaskInfos()[rank].address)
-    return address.rsplit(":", 1)[0].strip("[]")
-
-
-def _worker_pythonpath() -> dict[str, str]:
-    """PYTHONPATH for the rank: what the Python worker imports from besides its installation.
-
-    Files shipped with ``addPyFile`` or ``--py-files`` are put on the worker's ``sys.path`` at
-    run time, not in its environment; the rank's fresh interpreter would not see them.
-    """
-    from nbdist.runtime import installation_dirs, is_installed
-
-    dirs = installation_dirs()
-    keep = [
-        entry for entry in sys.path
-        if entry and os.path.exists(entry) and not is_installed(entry, dirs)
-    ]
-    old = os.environ.get("PYTHONPATH", "")
-    paths = list(dict.fromkeys([*keep, *(p for p in old.split(os.pathsep) if p)]))
-    return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}

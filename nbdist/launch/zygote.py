@@ -50,8 +50,7 @@ from typing import IO, Literal, TypedDict, cast
 
 from nbdist.launch.fork_safety import fork_safety as fork_safety
 from nbdist.launch.fork_safety import note_import, recording_thread_starts
-from nbdist.rank import RankProcess, new_sync_marker
-from nbdist.runtime import (
+from nbdist.rank.runtime import (
     become_subreaper,
     changed_file,
     end_orphans,
@@ -59,6 +58,7 @@ from nbdist.runtime import (
     is_installed,
     module_files,
 )
+from nbdist.rank.supervisor import RankProcess, new_sync_marker
 
 #: How the zygote is started; the ranks it forks show the same command line.
 COMMAND = "from nbdist.launch.zygote import main; main()"
@@ -341,7 +341,7 @@ class Zygote:
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop("NBDIST_ZYGOTE_FD")))
     started = int(os.environ.pop("NBDIST_ZYGOTE_T0", "0")) or time.time_ns()
-    import nbdist.runtime  # noqa: F401  (what every rank runs, loaded once here)
+    import nbdist.rank.runtime  # noqa: F401  (what every rank runs, loaded once here)
 
     # The files of every module it holds, as they were when imported: checked at each request
     # to warm, that is at each launch, so that no rank is forked with code edited since.
@@ -536,6 +536,53 @@ def become_rank(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync
     os.environ["NBDIST_CTL_IN"], os.environ["NBDIST_CTL_OUT"] = str(ctl_in), str(ctl_out)
     os.environ["NBDIST_SYNC"] = sync
     _fresh_random_state()
-    from nbdist.runtime import main as run_rank
+    from nbdist.rank.runtime import main as run_rank
 
     run_rank(guard=False)  # the zygote is its guardian
+
+
+def installation_stamp() -> tuple[int, ...]:
+    """When the installation last changed: ``%pip install`` touches site-packages, and what a
+    zygote or warm interpreter imported before that is not what a fresh rank would import.
+    (A file edited in place inside site-packages does not touch the directory: a zygote finds
+    that itself, below.)"""
+    stamps = []
+    for entry in installation_dirs():
+        try:
+            stamps.append(os.stat(entry).st_mtime_ns)
+        except OSError:
+            pass
+    return tuple(stamps)
+
+
+def process_attributes() -> tuple[object, ...]:
+    """What a process started now by this thread inherits besides its environment: umask,
+    CPU affinity, nice value and resource limits.
+
+    A zygote or warm interpreter started earlier has the kernel's attributes of then; when the
+    kernel changed one since (``os.umask``, ``os.sched_setaffinity``, ``os.nice``,
+    ``resource.setrlimit``), it is not used, and the rank starts as a fresh interpreter would.
+    Affinity and nice are per thread on Linux: the supervisor threads inherit the cell's
+    thread's at launch, as do the processes they start.
+    """
+    umask = None
+    try:  # /proc reads it without setting it (os.umask would, for every thread at once)
+        with open("/proc/self/status") as status:
+            umask = next((line.split()[1] for line in status if line.startswith("Umask:")),
+                         None)
+    except OSError:
+        pass
+    affinity = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    try:
+        nice: int | None = os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        nice = None
+    limits: tuple[tuple[int, int], ...] = ()
+    try:
+        import resource
+
+        limits = tuple(resource.getrlimit(getattr(resource, name)) for name in sorted(dir(
+            resource)) if name.startswith("RLIMIT_"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return (umask, affinity, nice, limits)

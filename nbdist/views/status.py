@@ -22,6 +22,7 @@ from nbdist.state import (
     RUNNING,
     SILENT_AFTER_S,
     STARTING,
+    ElasticState,
     JobState,
     RankState,
 )
@@ -304,9 +305,7 @@ def ranks_table(job: JobState) -> str:
 
 
 def _attempt_rows(job: JobState) -> list[tuple[str, ...]]:
-    from nbdist.elastic import ElasticState  # a job that restarts (--max-restarts)
-
-    if not isinstance(job, ElasticState):
+    if not isinstance(job, ElasticState):  # a job that restarts (--max-restarts)
         return []
     with job.lock:
         return [(f"{a.number} of {job.total}", a.job_id, f"{a.duration:.1f} s",

@@ -20,12 +20,12 @@ import psutil
 import pytest
 
 import nbdist
-from nbdist import events
+from nbdist import channel, events
 from nbdist.errors import OutputLostWarning
 from nbdist.job import Job, choose_launcher
 from nbdist.launch import Launcher, LaunchRequest
 from nbdist.protocol import CallPayload
-from nbdist.rank import RankOutcome
+from nbdist.rank.supervisor import RankOutcome
 
 from ..helpers import GONE_WITHIN_S, wait_for
 
@@ -253,8 +253,8 @@ def f():
     server = events.shared_server(job.launcher.driver_address())
     rejected = server.rejected
     for payload in (b"GET / HTTP/1.1\r\n\r\n",
-                    events.encode({"t": "hello", "job": job.id, "rank": 0, "mac": "0" * 64}),
-                    events.encode({"t": "hello", "job": job.id, "rank": 5, "mac": "x"})):
+                    channel.encode({"t": "hello", "job": job.id, "rank": 0, "mac": "0" * 64}),
+                    channel.encode({"t": "hello", "job": job.id, "rank": 5, "mac": "x"})):
         with socket.create_connection(server.address, timeout=5) as sock:
             sock.makefile("rb").readline()
             sock.sendall(payload)
@@ -288,7 +288,7 @@ class Misdirected:
         self.launcher = launcher
         self.name = launcher.name
         self.remote = launcher.remote
-        self.port = events.free_port("127.0.0.1")  # free: nothing listens on it
+        self.port = channel.free_port("127.0.0.1")  # free: nothing listens on it
 
     def driver_address(self) -> events.DriverAddress:
         return self.launcher.driver_address()
@@ -397,8 +397,8 @@ def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
     before = server.rejected
     cases = hostile.malformed(ended.id)
     cases.append(("a signed hello for the job that just ended",
-                  lambda nonce: events.encode({"t": "hello", "job": ended.id, "rank": 0,
-                                               "mac": events.sign(ended._secret, nonce,
+                  lambda nonce: channel.encode({"t": "hello", "job": ended.id, "rank": 0,
+                                               "mac": channel.sign(ended._secret, nonce,
                                                                   ended.id, 0)})))
     assert hostile.send_each(server.address, cases) == []
     wait_for(lambda: server.rejected == before + len(cases), 10, "every connection counted")

@@ -94,7 +94,7 @@ def test_pipes_held_by_a_process_out_of_reach_do_not_hold_the_job(tmp_path: Path
     rank's output, and no pump thread is left."""
     import socket
 
-    from nbdist.rank import PUMP_GRACE_S
+    from nbdist.rank.supervisor import PUMP_GRACE_S
 
     path = str(tmp_path / "s")
     held: list[int] = []

@@ -1,7 +1,7 @@
 """The rank supervisor: runs on a rank's host, whichever backend started it.
 
 It says hello to the driver's event server, learns the rank's environment from the driver
-(the rendezvous), starts the rank's interpreter (``runtime.py``) in a new process group, pumps
+(the rendezvous), starts the rank's interpreter (``rank/runtime.py``) in a new process group, pumps
 its stdout/stderr at the file-descriptor level and its structured events to the driver, and
 returns how the rank ended. It kills the rank's whole process group when cancelled, when the
 driver asks, and after the rank exits (so nothing the rank started lingers).
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
-from nbdist import events, protocol, timeline
+from nbdist import channel, protocol, timeline
 from nbdist.lines import LineBatcher, cut_long_lines
 from nbdist.protocol import (
     ErrorRecord,
@@ -44,7 +44,8 @@ from nbdist.protocol import (
     read_frame,
     write_frame,
 )
-from nbdist.rank_cells import JobWork, RankWork, SessionCells
+from nbdist.rank.cells import JobWork, RankWork, SessionCells
+from nbdist.rank.client import EventClient
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
@@ -108,7 +109,7 @@ class RankProcess:
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
             proc = subprocess.Popen(
-                [python, "-c", "from nbdist.runtime import main; main()"],
+                [python, "-c", "from nbdist.rank.runtime import main; main()"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(ctl_in_r, ctl_out_w), start_new_session=True, env=full, cwd=cwd,
             )
@@ -306,7 +307,7 @@ class Supervisor:
         self._dropped = 0
         self._rp: RankProcess | None = None
         self.modules: list[str] = []  # top-level modules the rank's code imported
-        self._client: events.EventClient | None = None
+        self._client: EventClient | None = None
         self._world = threading.Event()
         self._world_env: dict[str, str] = {}
         self._cancelled = threading.Event()
@@ -330,7 +331,7 @@ class Supervisor:
         self.on_mark: Callable[[str], None] | None = None
 
     # -- driver messages -----------------------------------------------------------------------
-    def _on_message(self, msg: events.Event) -> None:
+    def _on_message(self, msg: channel.Event) -> None:
         if msg.get("t") == "world":
             self._world_env = {str(k): str(v) for k, v in msg.get("env", {}).items()}
             self.mark(timeline.WORLD)
@@ -429,7 +430,7 @@ class Supervisor:
         if self._tf_reservation is not None:
             hello["tf_port"] = self._tf_reservation.getsockname()[1]
         if spec.rank == 0:
-            hello["port"] = events.free_port()
+            hello["port"] = channel.free_port()
         if spec.executor:
             hello["executor"] = spec.executor
         return hello
@@ -442,7 +443,7 @@ class Supervisor:
 
     def _connect(self, hello: HelloEvent) -> None:
         spec = self.spec
-        self._client = events.EventClient(
+        self._client = EventClient(
             spec.driver, spec.job_id, spec.rank, spec.secret, hello, self._on_message
         )
 
@@ -791,11 +792,11 @@ def interface_to(address: str) -> str | None:
             return str(name)
     return None
 def _reserve_port() -> socket.socket | None:
-    """A socket bound to a free port on all interfaces (``events.free_port``), or None."""
+    """A socket bound to a free port on all interfaces (``channel.free_port``), or None."""
     for _ in range(10):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock.bind(("", events.free_port()))
+            sock.bind(("", channel.free_port()))
         except OSError:  # taken between free_port's check and this bind
             sock.close()
             continue

@@ -1,7 +1,7 @@
 """The rank runtime: the fresh interpreter in which a rank's code runs.
 
-The supervisor (``rank.py``) starts ``python -c "from nbdist.runtime import main; main()"`` in a
-new process group with two pipes besides stdout and stderr:
+The supervisor (``rank/supervisor.py``) starts ``python -c "from nbdist.rank.runtime import
+main; main()"`` in a new process group with two pipes besides stdout and stderr:
 
 - *control in* (supervisor → rank): payload frames, one after another (a warm rank can take
   several); end of file means the supervisor is gone, and the rank kills its own process group
@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from nbdist import _children, _logcarry, reporting, values  # standard library only
+from nbdist import _logcarry, values  # standard library only
 from nbdist.protocol import (
     CallPayload,
     CellPayload,
@@ -49,8 +49,10 @@ from nbdist.protocol import (
     load_values,
     read_frame,
 )
-from nbdist.shell import RankShell
-from nbdist.streams import Pacer, flush_c_stdio
+from nbdist.rank import children as _children
+from nbdist.rank import reporting
+from nbdist.rank.shell import RankShell
+from nbdist.rank.streams import Pacer, flush_c_stdio
 
 if TYPE_CHECKING:
     pass

@@ -1,0 +1,140 @@
+"""A Spark barrier task's side of a rank: on the executor, work out the rank's host, GPUs and
+Python path from ``BarrierTaskContext``, then hand over to the same supervisor that local ranks
+use (``rank/supervisor.py``), forking the rank from the executor's zygote when there is one
+(``launch/executor_zygote.py``). The closure that calls :func:`run_task` is built by the
+kernel's Spark backend (``launch/spark.py``) and pickled by value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, cast
+
+from nbdist.protocol import HelloEvent, OutcomeFields, RankStatus
+from nbdist.rank.supervisor import RankOutcome
+
+
+def run_task(
+    ctx: Any, rank: int, job_id: str, np: int, secret: str, driver: tuple[str, int],
+    payload: bytes, gpu: bool, env: dict[str, str], version: str, run_id: str = "",
+    session: bool = False, heartbeat_timeout: float | None = None, scheduled: float = 0.0,
+    warm: tuple[str, str, float] | None = None, modules: tuple[str, ...] = (),
+) -> OutcomeFields:
+    """Run one rank inside its barrier task with the shared supervisor; its outcome as fields.
+
+    With ``warm`` (the application's id, secret and idle time) the rank is forked from the
+    executor's zygote when there is one, and a rank started fresh leaves one behind for the
+    next tasks (``executor_zygote.py``)."""
+    import json
+
+    import nbdist
+    from nbdist.rank.supervisor import RankSpec, Supervisor
+
+    if nbdist.__version__ != version:
+        return {"status": RankStatus.FAILED, "error": {
+            "type": "ImportError", "traceback": "",
+            "message": f"the notebook has nbdist {version} but the Spark executors' Python "
+            f"({sys.executable}) has nbdist {nbdist.__version__}: install the same version on "
+            f"both",
+        }}
+    resources = ctx.resources()
+    gpus = tuple(str(a) for a in resources["gpu"].addresses) if gpu and "gpu" in resources else ()
+    spec = RankSpec(
+        rank=rank, world_size=np, job_id=job_id, secret=secret, driver=driver, payload=payload,
+        host=_task_host(ctx, rank), gpus=gpus, env={**_worker_pythonpath(), **env},
+        python=sys.executable, run_id=run_id, session=session,
+        executor=_executor_host(ctx, rank), heartbeat_timeout=heartbeat_timeout,
+        scheduled=scheduled,
+    )
+
+    def gather(hello: HelloEvent) -> list[HelloEvent]:
+        # Only when the event server is out of reach: about a second, and every task takes
+        # part (they all fail to reach the same driver address).
+        return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
+
+    zygote = _executor_zygote(spec, warm, modules)
+    sup = Supervisor(spec, take=None if zygote is None else _take(zygote, lambda: sup),
+                     gather=gather)
+    if zygote is not None:
+        sup.on_mark = zygote.on_mark
+    try:
+        outcome = sup.run()
+        if zygote is not None:
+            zygote.leave_behind(sup.modules)
+    except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
+        outcome = RankOutcome(rank, RankStatus.FAILED, error={
+            "type": type(exc).__name__, "traceback": traceback.format_exc(),
+            "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
+        })
+    return cast(OutcomeFields, dataclasses.asdict(outcome))  # tests/test_protocol.py: same fields
+
+
+def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
+                     modules: tuple[str, ...]) -> Any:
+    """The task's handle on its executor's zygote, already connecting; None when off."""
+    if warm is None:
+        return None
+    from nbdist.launch.executor_zygote import ExecutorZygote, supported
+
+    if not supported():
+        return None
+    zygote = ExecutorZygote(*warm, spec=spec)
+    zygote.connect(modules)
+    return zygote
+
+
+def _take(zygote: Any, sup: Callable[[], Any]) -> Callable[[Any], Any]:
+    """The supervisor's ``take``: a rank forked from the executor's zygote, with its marks."""
+    from nbdist import timeline
+
+    def take(spec: Any) -> Any:
+        # torch's TCPStore client backs off about half a second when rank 0's store is not
+        # listening yet: where rank 0 runs on this host too, its fork comes first.
+        rp = zygote.take(spec, rank0_here=sup().world().get("MASTER_ADDR") == spec.host)
+        if rp is not None:
+            sup().mark(timeline.ZYGOTE, zygote.ready_at)
+            sup().mark(timeline.FORKED, zygote.forked_at)
+        return rp
+
+    return take
+
+
+def _task_host(ctx: Any, rank: int) -> str:
+    """This executor's address as the other ranks should use it (MASTER_ADDR, host grouping).
+
+    ``SPARK_LOCAL_IP`` when the cluster sets it (the address Spark itself was told to use on
+    this machine), else the executor's address as the driver sees it (what TorchDistributor
+    uses for MASTER_ADDR).
+    """
+    local_ip = os.environ.get("SPARK_LOCAL_IP", "")
+    if local_ip and local_ip not in ("0.0.0.0", "::"):
+        return local_ip
+    return _executor_host(ctx, rank)
+
+
+def _executor_host(ctx: Any, rank: int) -> str:
+    """The host of this task's executor as the driver knows it (Spark's own messages use it)."""
+    address = str(ctx.getTaskInfos()[rank].address)
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _worker_pythonpath() -> dict[str, str]:
+    """PYTHONPATH for the rank: what the Python worker imports from besides its installation.
+
+    Files shipped with ``addPyFile`` or ``--py-files`` are put on the worker's ``sys.path`` at
+    run time, not in its environment; the rank's fresh interpreter would not see them.
+    """
+    from nbdist.rank.runtime import installation_dirs, is_installed
+
+    dirs = installation_dirs()
+    keep = [
+        entry for entry in sys.path
+        if entry and os.path.exists(entry) and not is_installed(entry, dirs)
+    ]
+    old = os.environ.get("PYTHONPATH", "")
+    paths = list(dict.fromkeys([*keep, *(p for p in old.split(os.pathsep) if p)]))
+    return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
