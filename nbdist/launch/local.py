@@ -28,7 +28,7 @@ from nbdist.launch import Capacity, LaunchRequest, gpus_text, no_gpu_hint
 from nbdist.launch.zygote import Zygote, installation_stamp, process_attributes
 from nbdist.protocol import Frame, HelloEvent, RankStatus
 from nbdist.rank import runtime
-from nbdist.rank.supervisor import RankOutcome, RankProcess, RankSpec, Supervisor
+from nbdist.rank.supervisor import RankOutcome, RankProcess, RankSpec, Supervisor, Taken
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
 WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
@@ -132,6 +132,7 @@ class WarmPool:
         self._filler: threading.Thread | None = None
         self._generation = 0  # bumped by clear(): a fill in flight then throws its work away
         self._last: set[str] = set()  # what the last job's ranks imported
+        self._start_error = ""  # why the last zygote could not start, if it could not
         #: The thread starting ``%load_ext``'s zygote (``warm_at_load``), if any.
         self.preloading: threading.Thread | None = None
 
@@ -172,8 +173,10 @@ class WarmPool:
                     evicted.append(self._zygotes.pop(next(iter(self._zygotes))))
                 try:
                     zygote = Zygote(template.python, template.env, template.cwd)
-                except OSError:
+                    self._start_error = ""
+                except OSError as exc:
                     zygote = None  # the ranks start as fresh interpreters
+                    self._start_error = f"{type(exc).__name__}: {exc}"
             if zygote is not None:
                 self._zygotes[key] = zygote
             # Not idle while a job uses it: the countdown starts again when a job ends
@@ -214,19 +217,40 @@ class WarmPool:
             zygote.ready(timeout=ZYGOTE_WAIT_S, abort=abort)
         return zygote is not None
 
-    def take(self, spec: RankSpec) -> RankProcess | None:
+    def take(self, spec: RankSpec) -> Taken:
+        """A rank's interpreter: forked from the zygote of ``spec``'s environment, else a warm
+        one, else none (it starts fresh); with why it was not forked, in words."""
         zygote = self._zygote(spec)
         if zygote is not None:
             forked = zygote.fork_rank()
             if forked is not None:
-                return forked
+                return Taken(forked, "forked")
+        why = self._why_not(spec, zygote)
         key = self.key(spec)
         with self._lock:
             for i, (k, rp) in enumerate(self._idle):
                 if k == key and rp.alive():
                     del self._idle[i]
-                    return rp
-        return None
+                    return Taken(rp, "warm", why)
+        return Taken(None, "fresh", why)
+
+    def _why_not(self, spec: RankSpec, zygote: Zygote | None) -> str:
+        """Why a rank of ``spec`` was not forked from a zygote (``zygote``: the live one)."""
+        if not WARM_POOL:
+            return "warm ranks are off (NBDIST_WARM_POOL=0)"
+        if not ZYGOTE:
+            return "zygotes are off (NBDIST_ZYGOTE=0)"
+        if zygote is not None:
+            return zygote.why_not() or "the zygote did not fork the rank"
+        with self._lock:
+            gone = self._zygotes.get(self.key(spec))
+            error = self._start_error
+        if gone is not None:
+            return gone.why_not() or "the zygote exited"
+        if error:
+            return f"the zygote could not start: {error}"
+        return ("no zygote for this job's environment (it changed since the job was "
+                "launched, or the zygote was let go)")
 
     def fill(self, template: RankSpec, n: int, modules: list[str]) -> None:
         """After a job: what its ranks imported is made warm for the next one.
@@ -448,7 +472,7 @@ class LocalLauncher:
                 name=f"nbdist-rank-{spec.rank}", daemon=True,
             ).start()
 
-    def _take(self, spec: RankSpec) -> RankProcess | None:
+    def _take(self, spec: RankSpec) -> Taken:
         """A warm rank from the pool, rank 0 first.
 
         torch's TCPStore client, in every rank but 0, backs off about half a second when it

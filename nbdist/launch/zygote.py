@@ -246,6 +246,19 @@ class Zygote:
         proc.stdout, proc.stderr = open(out_r, "rb"), open(err_r, "rb")
         return RankProcess.attach(proc, ctl_in_w, ctl_out_r, sync)
 
+    def why_not(self) -> str:
+        """Why it cannot fork a rank now, in words a user can act on; "" when it can."""
+        with self._cond:
+            if not self.alive:
+                return "the zygote exited"
+            if self.stale:
+                return (f"the zygote forks no more: {self.why}; the next job gets a new one")
+            if not self.safe:
+                return f"the zygote cannot fork: {self.why}"
+            if self._answered < self._asked:
+                return "the zygote was still importing the job's modules"
+        return ""
+
     def discard(self) -> None:
         """Let the zygote go: now if no rank of it is running, else once the last one ended."""
         with self._cond:
