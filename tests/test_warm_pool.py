@@ -448,3 +448,11 @@ def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
         module.unlink()
         for cached in site.glob("__pycache__/nbdist_sitemod.*"):
             cached.unlink()
+
+
+def test_a_zygote_imports_what_every_rank_needs_with_the_first_job() -> None:
+    """The rank runtime's own modules (cloudpickle, threadpoolctl) come with the first job's
+    imports, before its ranks are forked, not after the job, when the next one may be waiting."""
+    assert nbdist.run(abs, -1, np=1, gpu=False).result() == 1
+    (zygote,) = local.pool._zygotes.values()
+    assert set(local.RANK_MODULES) <= zygote.modules

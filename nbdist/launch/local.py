@@ -46,6 +46,11 @@ ZYGOTES_MAX = 2
 PRELOAD = ("torch", "numpy")
 #: The nice value of those imports: the kernel, and anything else the user runs, go first.
 PRELOAD_NICE = 19
+#: What every rank imports besides its payload's modules (``rank/runtime.py``: cloudpickle for
+#: the payload, threadpoolctl to size the BLAS pools a fork inherits). A zygote imports them
+#: with its first job's modules: learnt from that job's ranks instead, they were imported after
+#: it, and a job started right then waited for them (0.5 s on the busy 2-core machine).
+RANK_MODULES = ("cloudpickle", "threadpoolctl")
 #: The longest a rank waits for its zygote's imports before it starts as a fresh interpreter.
 ZYGOTE_WAIT_S = 120.0
 #: The longest the other ranks wait for rank 0 to be forked first (it takes milliseconds).
@@ -189,7 +194,7 @@ class WarmPool:
         for old in evicted:
             old.discard()
         if zygote is not None:
-            zygote.warm(sorted(set(modules) | self._last), check=True, nice=nice)
+            zygote.warm(sorted({*modules, *self._last, *RANK_MODULES}), check=True, nice=nice)
 
     def preload(self, modules: tuple[str, ...]) -> bool:
         """``%load_ext nbdist``: start the zygote the first local job will use and let it
