@@ -94,10 +94,12 @@ def _take(zygote: Any, wanted: bool, sup: Callable[[], Any]) -> Callable[[Any], 
     from nbdist.rank.supervisor import Taken
 
     def take(spec: Any) -> Any:
-        if zygote is None:
+        if zygote is None and not wanted:
             return Taken(None, why="zygotes are off (NBDIST_ZYGOTE=0 or NBDIST_WARM_POOL=0 in "
-                         "the notebook)" if not wanted else "this executor cannot keep a "
-                         "zygote (Linux only)")
+                         "the notebook)")
+        if zygote is None:
+            return Taken(None, why="this executor cannot keep a zygote (it needs Linux 5.3 or "
+                         "later: pidfd_open)")
         # torch's TCPStore client backs off about half a second when rank 0's store is not
         # listening yet: where rank 0 runs on this host too, its fork comes first.
         rp = zygote.take(spec, rank0_here=sup().world().get("MASTER_ADDR") == spec.host)
