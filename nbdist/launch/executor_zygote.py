@@ -10,9 +10,9 @@ Later tasks of the same application connect to it over a
 local Unix socket as they begin (overlapping the rendezvous) and ask it for a forked rank
 (:meth:`ExecutorZygote.take`); a task that finds none starts its rank fresh, as before. The
 rules of the local zygote (``zygote.py``) hold: it imports installed packages only, forks only
-with one thread and no CUDA, checks its modules' files at every request (a changed file: it
-forks nothing more and goes), reseeds each rank's generators, and the rank gets the task's
-environment (the socket's name is a hash of it).
+with one thread and no CUDA driver started (``fork_safety.py``), checks its modules' files at
+every request (a changed file: it forks nothing more and goes), reseeds each rank's
+generators, and the rank gets the task's environment (the socket's name is a hash of it).
 
 Where it lives: ``<tmpdir>/nbdist-<uid>/z-<jvm>-<hash>.sock`` (the directory 0700, ours),
 ``<jvm>`` the pid of the executor's JVM (so that two executors on one host never share a

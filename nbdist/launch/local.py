@@ -122,8 +122,9 @@ class WarmPool:
     ``import torch`` alone takes about a second. On Linux a job's ranks are forked from a
     zygote (``zygote.py``) that imports the payload's modules once, while the ranks meet, and
     stays for the next job, which then starts at once, even right after the last one. Where a
-    zygote cannot fork safely (a module started threads or touched CUDA at import), or off
-    Linux, fresh interpreters are warmed after each job instead, ready a second or two later.
+    zygote cannot fork safely (a module started a thread or the CUDA driver at import; the
+    job's ranks say so), or off Linux, fresh interpreters are warmed after each job instead,
+    ready a second or two later.
     Either is only used by a job with the same Python, working directory, environment and
     process attributes (umask, CPU affinity, nice, resource limits) it was started with; the
     rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame before the payload.
