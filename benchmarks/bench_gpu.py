@@ -467,7 +467,9 @@ def main() -> int:
         ("1", lambda: first_cell(reps)), ("2", lambda: back_to_back(reps, args.chain)),
         ("3", lambda: ddp(reps, np)), ("4", lambda: training(reps, steps, args.print_every, np)),
     ]
-    results, failed = [], []
+    results: list[dict[str, Any]] = []
+    failed: list[str] = []
+    text = ""
     for key, run in plan:
         if key not in only:
             continue
@@ -477,11 +479,13 @@ def main() -> int:
         except Exception:  # a scenario that cannot run is reported, the others still run
             failed.append(key)
             traceback.print_exc()
+        # Written after each scenario: a run cut short by its time limit keeps what it measured.
         (out / "gpu.json").write_text(json.dumps({"card": info, "results": results,
                                                   "failed": failed}, indent=2, default=str))
-    text = markdown(info, results) + (f"\nscenarios that failed: {failed}\n" if failed else "")
+        text = markdown(info, results) + (f"\nscenarios that failed: {failed}\n"
+                                          if failed else "")
+        (out / "gpu.md").write_text(text)
     print("\n" + text)
-    (out / "gpu.md").write_text(text)
     return 1 if failed else 0
 
 
