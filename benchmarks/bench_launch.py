@@ -1,7 +1,9 @@
 """Launch and training benchmark: nbdist against what users would pick instead.
 
-Scenarios (np = 2, CPU, gloo), every contender interleaved in each repetition, medians
-reported with the ratio to the baseline measured in the same run:
+Scenarios (np = 2, CPU, gloo: every nbdist job says ``gpu=False``, so that they run the same
+on a machine with GPUs, where ``gpu`` defaults to on), every contender interleaved in each
+repetition, medians reported with the ratio to the baseline measured in the same run (the GPU
+scenarios are ``bench_gpu.py``'s):
 
 1. **launch, local** — a trivial job (``import torch``, ``init_process_group("gloo")``, return
    the rank), cold: nbdist local (no zygote or warm interpreter left from an earlier job; also
@@ -119,7 +121,7 @@ def _spawned(index: int, fn: Callable[[], Any], port: int) -> None:
 def nbdist_cold(fn: Callable[[], Any], zygote: bool = True) -> None:
     local.pool.clear()
     with zygotes(zygote):
-        nbdist.run(fn, np=2, backend="local").result()
+        nbdist.run(fn, np=2, backend="local", gpu=False).result()
     local.pool.clear()  # the next contender must not pay for our warm-up in the background
 
 
@@ -157,7 +159,7 @@ def notebook_launcher(fn: Callable[[], Any]) -> None:
 
 
 def nbdist_spark(fn: Callable[[], Any]) -> None:
-    nbdist.run(fn, np=2, backend="spark").result()
+    nbdist.run(fn, np=2, backend="spark", gpu=False).result()
 
 
 # -- measuring ---------------------------------------------------------------------------------
@@ -203,10 +205,10 @@ def second_run(fn: Callable[[], Any], pause: float = 0.0, zygote: bool = True) -
     """
     local.pool.clear()
     with zygotes(zygote):
-        nbdist.run(fn, np=2, backend="local").result()
+        nbdist.run(fn, np=2, backend="local", gpu=False).result()
         local.pool.wait_ready(timeout=pause)
         start = time.perf_counter()
-        nbdist.run(fn, np=2, backend="local").result()
+        nbdist.run(fn, np=2, backend="local", gpu=False).result()
         elapsed = time.perf_counter() - start
     local.pool.clear()
     return elapsed
@@ -262,7 +264,7 @@ def _fresh_kernel_child() -> None:
                     memory[name] = int(rest.split()[0]) / 1024  # MB
     ready = local.pool.wait_ready(0) and bool(local.pool.pids())
     start = time.perf_counter()
-    nbdist.run(synced, np=2, backend="local").result()
+    nbdist.run(synced, np=2, backend="local", gpu=False).result()
     first = time.perf_counter() - start
     latencies.sort()
     print(json.dumps({"first": first, "load_s": load_s, "memory_mb": memory, "ready": ready,
@@ -316,7 +318,7 @@ def spark_later(zygote: bool) -> float:
 
     with environ(NBDIST_ZYGOTE="1" if zygote else "0"):
         start = time.perf_counter()
-        job = nbdist.run(synced, np=2, backend="spark")
+        job = nbdist.run(synced, np=2, backend="spark", gpu=False)
         job.result()
         elapsed = time.perf_counter() - start
     if zygote:

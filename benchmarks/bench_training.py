@@ -102,7 +102,7 @@ def bare(steps: int, work: int, np: int, tmp: Path, charts: bool) -> tuple[float
 
 
 def under_nbdist(steps: int, work: int, np: int, charts: bool) -> tuple[float, float]:
-    job = nbdist.run(train, steps, work, charts, np=np)
+    job = nbdist.run(train, steps, work, charts, np=np, gpu=False)  # CPU ranks, GPUs or not
     if charts:  # the panel's charts, drawn in this (the driver's) process meanwhile
         from nbdist.views.charts import ChartsView
 

@@ -442,6 +442,10 @@ class StateEvent(TypedDict, total=False):
     host: str
     exit: int | None
     at: float  # ``ready``: when (``time.time()``)
+    #: ``starting``: how the rank's interpreter was obtained (``forked`` from a zygote,
+    #: ``warm``, ``fresh``) and why it was not forked, in words ("" when it was).
+    start: str
+    why: str
 
 
 class MarksEvent(TypedDict):

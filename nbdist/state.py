@@ -66,6 +66,10 @@ class RankState:
     metrics: dict[str, Any] = field(default_factory=dict)
     resources: Resources | None = None  # the latest sample of its supervisor (resources.py)
     marks: dict[str, float] = field(default_factory=dict)  # its launch's marks (timeline.py)
+    #: How its interpreter was obtained (``forked`` from a zygote, ``warm``, ``fresh``; "" not
+    #: yet known) and why it was not forked, in words (``rank.supervisor.Taken``).
+    start: str = ""
+    start_why: str = ""
 
     @property
     def dropped(self) -> int:
@@ -165,6 +169,10 @@ class JobState:
             return
         if isinstance(event.get("pid"), int) and new == STARTING:
             r.pid = event["pid"]
+        if new == STARTING and isinstance(event.get("start"), str):
+            r.start = event["start"]
+            why = event.get("why")
+            r.start_why = why if isinstance(why, str) else ""
         if event.get("host"):
             r.host = event["host"]
         if new in _ORDER and _ORDER[new] > _ORDER[r.status]:

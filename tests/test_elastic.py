@@ -315,7 +315,7 @@ def test_restart_gives_up_when_capacity_does_not_come_back(
     message = str(info.value)
     assert f"job {job.id} could not restart" in message
     assert "did not have the slots for 2 ranks within 3 s (--capacity-wait)" in message
-    assert "this machine has 1 GPUs" in message
+    assert "this machine has 1 GPU (0)" in message
     assert "attempt 1 of 2" in message and "restarted (rule 'signal')" in message
     assert job.state.status == state.FAILED
 

@@ -128,7 +128,8 @@ def test_a_zygote_that_cannot_fork_safely_gives_way_to_fresh_interpreters(
 
     assert nbdist.run(uses_it, np=2).results == [os.getpid()] * 2  # started by their supervisors
     (zygote,) = local.pool._zygotes.values()
-    assert not zygote.safe and "started threads (poller)" in zygote.why
+    assert not zygote.safe and zygote.why.startswith(
+        "thread 'poller' (runs threading.Event.wait; module nbdist_threaded started it at import")
 
 
 @pytest.mark.slow
@@ -447,3 +448,11 @@ def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
         module.unlink()
         for cached in site.glob("__pycache__/nbdist_sitemod.*"):
             cached.unlink()
+
+
+def test_a_zygote_imports_what_every_rank_needs_with_the_first_job() -> None:
+    """The rank runtime's own modules (cloudpickle, threadpoolctl) come with the first job's
+    imports, before its ranks are forked, not after the job, when the next one may be waiting."""
+    assert nbdist.run(abs, -1, np=1, gpu=False).result() == 1
+    (zygote,) = local.pool._zygotes.values()
+    assert set(local.RANK_MODULES) <= zygote.modules

@@ -50,6 +50,17 @@ class Settings:
 #: Set by the magics' traits; read at every launch.
 settings = Settings()
 
+
+def gpus_text(n: int) -> str:
+    """``1 GPU``, ``4 GPUs``, ``no GPU``: a count of GPUs in a message."""
+    return "no GPU" if n == 0 else f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def no_gpu_hint(np: int) -> str:
+    """What a user with fewer GPUs than ranks can do instead (CPU ranks, gloo)."""
+    return (f"--no-gpu for {np} CPU rank{'' if np == 1 else 's'} (gpu=False in nbdist.run; "
+            f"torch.distributed with 'gloo')")
+
 _ENV = {"driver_host": "NBDIST_DRIVER_HOST", "driver_port": "NBDIST_DRIVER_PORT",
         "heartbeat_timeout": "NBDIST_HEARTBEAT_TIMEOUT"}
 

@@ -10,9 +10,9 @@ Later tasks of the same application connect to it over a
 local Unix socket as they begin (overlapping the rendezvous) and ask it for a forked rank
 (:meth:`ExecutorZygote.take`); a task that finds none starts its rank fresh, as before. The
 rules of the local zygote (``zygote.py``) hold: it imports installed packages only, forks only
-with one thread and no CUDA, checks its modules' files at every request (a changed file: it
-forks nothing more and goes), reseeds each rank's generators, and the rank gets the task's
-environment (the socket's name is a hash of it).
+with one thread and no CUDA driver started (``fork_safety.py``), checks its modules' files at
+every request (a changed file: it forks nothing more and goes), reseeds each rank's
+generators, and the rank gets the task's environment (the socket's name is a hash of it).
 
 Where it lives: ``<tmpdir>/nbdist-<uid>/z-<jvm>-<hash>.sock`` (the directory 0700, ours),
 ``<jvm>`` the pid of the executor's JVM (so that two executors on one host never share a
@@ -219,6 +219,10 @@ def _ancestors_to_watch() -> list[int]:
     return watch
 
 
+class _Refused(OSError):
+    """The executor's zygote answered that it cannot fork (its ``why``)."""
+
+
 class ExecutorZygote:
     """A task's handle on its executor's zygote: connect early, fork the rank, or leave one
     behind. Every failure means "start the rank fresh", never a failed task."""
@@ -228,7 +232,7 @@ class ExecutorZygote:
         self.sock: socket.socket | None = None
         self.ready_at: float | None = None  # time.time() when it had the job's modules
         self.forked_at: float | None = None
-        self.why = ""  # why no rank was forked, for the timeline's readers and the tests
+        self.why = ""  # why no rank was forked, in words (``Taken.why``: %dist_status shows it)
         self._connected = threading.Event()
         self._path = ""
         self._thread: threading.Thread | None = None
@@ -265,19 +269,22 @@ class ExecutorZygote:
                                    "mac": mac(self.secret, challenge["nonce"])}))
                 ready = cast(ExecutorReadyMsg, json.loads(sock.recv(_PACKET) or b"{}"))
                 if ready.get("t") != "ready" or not ready.get("safe"):
-                    raise OSError(ready.get("why") or "the zygote did not answer")
+                    raise _Refused(str(ready.get("why") or "it did not answer"))
             except BaseException:
                 sock.close()
                 raise
             sock.settimeout(None)
             self.sock, self.ready_at = sock, time.time()
-        except (FileNotFoundError, ConnectionRefusedError) as exc:  # none here (any more)
+        except (FileNotFoundError, ConnectionRefusedError):  # none here (any more)
             # This task's rank starts fresh; the zygote for the next ones starts once the
             # rank has imported its modules (``on_mark``), so that it never competes with them.
-            self.why = f"{type(exc).__name__}: {exc}"
+            self.why = ("no zygote on this executor yet (this task leaves one behind for the "
+                        "next runs)")
             self._wanted = True
+        except _Refused as exc:
+            self.why = f"the executor's zygote cannot fork: {exc}"
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            self.why = f"{type(exc).__name__}: {exc}"
+            self.why = f"the executor's zygote could not be reached: {type(exc).__name__}: {exc}"
         finally:
             self._connected.set()
 
@@ -286,7 +293,8 @@ class ExecutorZygote:
         """The rank forked from the executor's zygote, or None (start it fresh). With
         ``rank0_here`` (rank 0 of the job runs on this host) a rank but 0 is forked after it,
         or ``FIRST_WAIT_S`` later."""
-        self._connected.wait(WAIT_S)
+        if not self._connected.wait(WAIT_S):
+            self.why = f"the executor's zygote did not answer within {WAIT_S:g} s"
         sock = self.sock
         if sock is None:
             return None
@@ -310,7 +318,7 @@ class ExecutorZygote:
             if answer.get("t") == "forked" and isinstance(answer.get("pid"), int):
                 pid = answer["pid"]
         except (OSError, ValueError) as exc:
-            self.why = f"{type(exc).__name__}: {exc}"
+            self.why = f"the executor's zygote did not fork the rank: {type(exc).__name__}: {exc}"
         finally:
             for fd in theirs:
                 os.close(fd)

@@ -24,11 +24,11 @@ from nbdist import timeline
 from nbdist._timer import after
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
-from nbdist.launch import Capacity
+from nbdist.launch import Capacity, gpus_text, no_gpu_hint
 from nbdist.launch.zygote import Zygote, installation_stamp, process_attributes
 from nbdist.protocol import Frame, HelloEvent, LaunchRequest, RankOutcome, RankStatus
 from nbdist.rank import runtime
-from nbdist.rank.supervisor import RankProcess, RankSpec, Supervisor
+from nbdist.rank.supervisor import RankProcess, RankSpec, Supervisor, Taken
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
 WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
@@ -46,6 +46,11 @@ ZYGOTES_MAX = 2
 PRELOAD = ("torch", "numpy")
 #: The nice value of those imports: the kernel, and anything else the user runs, go first.
 PRELOAD_NICE = 19
+#: What every rank imports besides its payload's modules (``rank/runtime.py``: cloudpickle for
+#: the payload, threadpoolctl to size the BLAS pools a fork inherits). A zygote imports them
+#: with its first job's modules: learnt from that job's ranks instead, they were imported after
+#: it, and a job started right then waited for them (0.5 s on the busy 2-core machine).
+RANK_MODULES = ("cloudpickle", "threadpoolctl")
 #: The longest a rank waits for its zygote's imports before it starts as a fresh interpreter.
 ZYGOTE_WAIT_S = 120.0
 #: The longest the other ranks wait for rank 0 to be forked first (it takes milliseconds).
@@ -117,8 +122,9 @@ class WarmPool:
     ``import torch`` alone takes about a second. On Linux a job's ranks are forked from a
     zygote (``zygote.py``) that imports the payload's modules once, while the ranks meet, and
     stays for the next job, which then starts at once, even right after the last one. Where a
-    zygote cannot fork safely (a module started threads or touched CUDA at import), or off
-    Linux, fresh interpreters are warmed after each job instead, ready a second or two later.
+    zygote cannot fork safely (a module started a thread or the CUDA driver at import; the
+    job's ranks say so), or off Linux, fresh interpreters are warmed after each job instead,
+    ready a second or two later.
     Either is only used by a job with the same Python, working directory, environment and
     process attributes (umask, CPU affinity, nice, resource limits) it was started with; the
     rank's own variables (RANK, MASTER_PORT, ...) reach it as a frame before the payload.
@@ -132,6 +138,7 @@ class WarmPool:
         self._filler: threading.Thread | None = None
         self._generation = 0  # bumped by clear(): a fill in flight then throws its work away
         self._last: set[str] = set()  # what the last job's ranks imported
+        self._start_error = ""  # why the last zygote could not start, if it could not
         #: The thread starting ``%load_ext``'s zygote (``warm_at_load``), if any.
         self.preloading: threading.Thread | None = None
 
@@ -172,8 +179,10 @@ class WarmPool:
                     evicted.append(self._zygotes.pop(next(iter(self._zygotes))))
                 try:
                     zygote = Zygote(template.python, template.env, template.cwd)
-                except OSError:
+                    self._start_error = ""
+                except OSError as exc:
                     zygote = None  # the ranks start as fresh interpreters
+                    self._start_error = f"{type(exc).__name__}: {exc}"
             if zygote is not None:
                 self._zygotes[key] = zygote
             # Not idle while a job uses it: the countdown starts again when a job ends
@@ -186,7 +195,7 @@ class WarmPool:
         for old in evicted:
             old.discard()
         if zygote is not None:
-            zygote.warm(sorted(set(modules) | self._last), check=True, nice=nice)
+            zygote.warm(sorted({*modules, *self._last, *RANK_MODULES}), check=True, nice=nice)
 
     def preload(self, modules: tuple[str, ...]) -> bool:
         """``%load_ext nbdist``: start the zygote the first local job will use and let it
@@ -214,19 +223,40 @@ class WarmPool:
             zygote.ready(timeout=ZYGOTE_WAIT_S, abort=abort)
         return zygote is not None
 
-    def take(self, spec: RankSpec) -> RankProcess | None:
+    def take(self, spec: RankSpec) -> Taken:
+        """A rank's interpreter: forked from the zygote of ``spec``'s environment, else a warm
+        one, else none (it starts fresh); with why it was not forked, in words."""
         zygote = self._zygote(spec)
         if zygote is not None:
             forked = zygote.fork_rank()
             if forked is not None:
-                return forked
+                return Taken(forked, "forked")
+        why = self._why_not(spec, zygote)
         key = self.key(spec)
         with self._lock:
             for i, (k, rp) in enumerate(self._idle):
                 if k == key and rp.alive():
                     del self._idle[i]
-                    return rp
-        return None
+                    return Taken(rp, "warm", why)
+        return Taken(None, "fresh", why)
+
+    def _why_not(self, spec: RankSpec, zygote: Zygote | None) -> str:
+        """Why a rank of ``spec`` was not forked from a zygote (``zygote``: the live one)."""
+        if not WARM_POOL:
+            return "warm ranks are off (NBDIST_WARM_POOL=0)"
+        if not ZYGOTE:
+            return "zygotes are off (NBDIST_ZYGOTE=0)"
+        if zygote is not None:
+            return zygote.why_not() or "the zygote did not fork the rank"
+        with self._lock:
+            gone = self._zygotes.get(self.key(spec))
+            error = self._start_error
+        if gone is not None:
+            return gone.why_not() or "the zygote exited"
+        if error:
+            return f"the zygote could not start: {error}"
+        return ("no zygote for this job's environment (it changed since the job was "
+                "launched, or the zygote was let go)")
 
     def fill(self, template: RankSpec, n: int, modules: list[str]) -> None:
         """After a job: what its ranks imported is made warm for the next one.
@@ -407,7 +437,7 @@ class LocalLauncher:
     def capacity(self) -> Capacity:
         cpus = os.cpu_count() or 1
         gpus = len(visible_gpus())
-        detail = f"this machine: {cpus} CPU cores, {gpus} GPUs"
+        detail = f"this machine: {cpus} CPU cores, {gpus_text(gpus)}"
         return Capacity(slots=max(cpus, gpus), gpus=gpus, detail=detail)
 
     def check(self, np: int, gpu: bool) -> None:
@@ -415,10 +445,12 @@ class LocalLauncher:
             return  # CPU ranks may share cores; nothing to refuse
         gpus = visible_gpus()
         if np > len(gpus):
+            has = f"{gpus_text(len(gpus))} ({', '.join(gpus)})" if gpus else (
+                "no GPU (CUDA_VISIBLE_DEVICES and nvidia-smi name none)")
+            fewer = f"-np {len(gpus)} for one rank per GPU, or " if gpus else ""
             raise CapacityError(
-                f"asked for {np} ranks with one GPU each, but this machine has {len(gpus)} "
-                f"GPUs ({', '.join(gpus) or 'none'}); use -np {len(gpus) or 1}"
-                + (" or --no-gpu" if not gpus else "")
+                f"asked for {np} ranks with one GPU each, but this machine has {has}: use "
+                f"{fewer}{no_gpu_hint(np)}"
             )
 
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
@@ -448,7 +480,7 @@ class LocalLauncher:
                 name=f"nbdist-rank-{spec.rank}", daemon=True,
             ).start()
 
-    def _take(self, spec: RankSpec) -> RankProcess | None:
+    def _take(self, spec: RankSpec) -> Taken:
         """A warm rank from the pool, rank 0 first.
 
         torch's TCPStore client, in every rank but 0, backs off about half a second when it

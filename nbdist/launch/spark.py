@@ -35,7 +35,7 @@ from typing import Any
 
 from nbdist import channel, events, launch
 from nbdist.errors import CapacityError, LaunchError
-from nbdist.launch import Capacity
+from nbdist.launch import Capacity, gpus_text
 from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
 
 #: Executors register a moment after a session starts: in a session younger than
@@ -110,9 +110,10 @@ class ClusterInfo:
         )
         if self.gpu_slots is not None and self.gpu_slots < self.cpu_slots:
             return (
-                f"limited by GPUs: {self._executors()} with {self.gpus} GPUs in all, "
+                f"limited by GPUs: {self._executors()} with {gpus_text(self.gpus)} in all, "
                 f"spark.task.resource.gpu.amount={self.task_gpus:g}; the CPU cores alone "
-                f"would allow {self.cpu_slots}"
+                f"would allow {self.cpu_slots}, but every task of this cluster takes a GPU, "
+                f"with --no-gpu too"
             )
         return f"limited by CPU cores: {cpu}"
 
@@ -121,8 +122,8 @@ class ClusterInfo:
 
     def describe(self) -> str:
         gpus = (
-            f", {self.gpus} GPUs (spark.task.resource.gpu.amount={self.task_gpus:g})"
-            if self.task_gpus else (f", {self.gpus} GPUs not usable by tasks "
+            f", {gpus_text(self.gpus)} (spark.task.resource.gpu.amount={self.task_gpus:g})"
+            if self.task_gpus else (f", {gpus_text(self.gpus)} not usable by tasks "
                                     f"(spark.task.resource.gpu.amount is not set)"
                                     if self.gpus else ", no GPUs")
         )

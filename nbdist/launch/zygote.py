@@ -9,9 +9,10 @@ milliseconds, and keeps it for the next run, which then starts at once.
 
 What is forked is never the kernel, and never anything that ran the user's code: the zygote
 is a fresh interpreter that only imports installed packages (not the user's own modules, which
-may be edited before the next run). It forks only while that is safe: a single Python thread
-and no CUDA driver loaded (a library that touched CUDA at import would leave the forked ranks
-unable to use it). Otherwise it says why, and the pool starts fresh interpreters instead. A
+may be edited before the next run). It forks only while that is safe (``fork_safety.py``): a
+single Python thread and no CUDA driver started (a mapped ``libcuda.so`` alone is fine; a
+driver started at import would leave the forked ranks unable to use CUDA). Otherwise it says
+why, naming the thread or module, and the pool starts fresh interpreters instead. A
 forked rank starts as a fresh one would: in a session of its own, with its own stdout, stderr
 and control pipes (passed over the zygote's socket with SCM_RIGHTS), default signal handlers
 and its own random state (``_fresh_random_state``).
@@ -47,6 +48,8 @@ import time
 import traceback
 from typing import IO, Literal, TypedDict, cast
 
+from nbdist.launch.fork_safety import fork_safety as fork_safety
+from nbdist.launch.fork_safety import note_import, recording_thread_starts
 from nbdist.rank.runtime import (
     become_subreaper,
     changed_file,
@@ -242,6 +245,19 @@ class Zygote:
             return None
         proc.stdout, proc.stderr = open(out_r, "rb"), open(err_r, "rb")
         return RankProcess.attach(proc, ctl_in_w, ctl_out_r, sync)
+
+    def why_not(self) -> str:
+        """Why it cannot fork a rank now, in words a user can act on; "" when it can."""
+        with self._cond:
+            if not self.alive:
+                return "the zygote exited"
+            if self.stale:
+                return (f"the zygote forks no more: {self.why}; the next job gets a new one")
+            if not self.safe:
+                return f"the zygote cannot fork: {self.why}"
+            if self._answered < self._asked:
+                return "the zygote was still importing the job's modules"
+        return ""
 
     def discard(self) -> None:
         """Let the zygote go: now if no rank of it is running, else once the last one ended."""
@@ -465,30 +481,18 @@ def import_modules(modules: list[str], nice: int = 0) -> list[str]:
 def _import(modules: list[str]) -> list[str]:
     done = []
     dirs = installation_dirs()
-    for name in modules:
-        if not _installed(name, dirs):
-            continue
-        try:
-            importlib.import_module(name)
-        except BaseException:  # anything a module does at import must not end the zygote
-            continue
-        done.append(name)
+    # Noting who starts a thread or the CUDA driver, for the message of ``fork_safety``.
+    with recording_thread_starts():
+        for name in modules:
+            if not _installed(name, dirs):
+                continue
+            try:
+                importlib.import_module(name)
+            except BaseException:  # anything a module does at import must not end the zygote
+                continue
+            done.append(name)
+            note_import(name)
     return done
-
-
-def fork_safety() -> tuple[bool, str]:
-    """Whether a fork now gives a child that works as a fresh interpreter would; why not."""
-    if threading.active_count() > 1:
-        names = ", ".join(t.name for t in threading.enumerate()
-                          if t is not threading.current_thread())
-        return False, f"an imported module started threads ({names})"
-    try:
-        with open("/proc/self/maps") as maps:
-            if any("libcuda.so" in line for line in maps):
-                return False, "an imported module initialised CUDA"
-    except OSError:
-        pass
-    return True, ""
 
 
 def _fork(fds: list[int], sock: socket.socket, wake: tuple[int, int], sync: str) -> int:

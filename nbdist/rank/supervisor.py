@@ -261,21 +261,43 @@ class RankSpec:
 Gather = Callable[[HelloEvent], list[HelloEvent]]
 
 
+@dataclass(frozen=True)
+class Taken:
+    """What a backend's ``take`` gives a supervisor: the rank's interpreter, obtained warm, or
+    None (the rank starts as a fresh interpreter).
+
+    ``how``: ``forked`` (from a zygote), ``warm`` (an interpreter started ahead) or ``fresh``;
+    ``why``: why the rank was not forked from a zygote, in words a user can act on ("" when it
+    was). The driver shows it in ``%dist_status JOB`` and its ``--timeline``.
+    """
+
+    proc: RankProcess | None
+    how: str = "fresh"
+    why: str = ""
+
+
+#: A backend's warm start: a rank's interpreter (``Taken``) for a spec.
+Take = Callable[[RankSpec], Taken]
+
+
 class Supervisor:
     """Supervises one rank: ``run()`` blocks until the rank is over; ``cancel()`` works anywhere.
 
-    ``take`` gives a warm interpreter (the local backend's pool); ``gather`` is the backend's
-    rendezvous for when the driver's event server cannot be reached (see the module docstring).
+    ``take`` gives a warm interpreter (the local backend's pool, a Spark executor's zygote) and
+    says why when it has none; ``gather`` is the backend's rendezvous for when the driver's
+    event server cannot be reached (see the module docstring).
     """
 
     def __init__(
         self,
         spec: RankSpec,
-        take: Callable[[RankSpec], RankProcess | None] | None = None,
+        take: Take | None = None,
         gather: Gather | None = None,
     ) -> None:
         self.spec = spec
         self._take = take
+        #: How the rank's interpreter was obtained, and why not forked (``Taken``).
+        self.start = Taken(None)
         self._gather = gather
         self._channel_error: str | None = None
         self._gather_error: str | None = None
@@ -479,7 +501,8 @@ class Supervisor:
         proc = self._spawn()
         if proc is None:
             return RankOutcome(spec.rank, RankStatus.CANCELLED)
-        self._send({"t": "state", "state": "starting", "pid": proc.pid, "host": spec.host})
+        self._send({"t": "state", "state": "starting", "pid": proc.pid, "host": spec.host,
+                    "start": self.start.how, "why": self.start.why})
         # Readable once the pumps are to stop (the rank is gone, PUMP_GRACE_S passed).
         self._stop_r, stop_w = os.pipe()
         try:
@@ -519,9 +542,12 @@ class Supervisor:
         with self._lock:
             if self._cancelled.is_set():
                 return None
-            rp = self._take(spec) if self._take is not None else None
+            taken = self._take(spec) if self._take is not None else Taken(None)
+            rp = taken.proc
             if rp is None:
                 rp = RankProcess(spec.python, {**spec.env, **world}, spec.cwd)
+                taken = Taken(None, "fresh", taken.why)
+            self.start = taken
             self._proc = rp.proc
             self._rp = rp
         self.mark(timeline.SPAWNED)

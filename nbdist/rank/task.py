@@ -55,7 +55,7 @@ def run_task(
         return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
 
     zygote = _executor_zygote(spec, warm, launch.modules)
-    sup = Supervisor(spec, take=None if zygote is None else _take(zygote, lambda: sup),
+    sup = Supervisor(spec, take=_take(zygote, warm is not None, lambda: sup),
                      gather=gather)
     if zygote is not None:
         sup.on_mark = zygote.on_mark
@@ -85,18 +85,27 @@ def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
     return zygote
 
 
-def _take(zygote: Any, sup: Callable[[], Any]) -> Callable[[Any], Any]:
-    """The supervisor's ``take``: a rank forked from the executor's zygote, with its marks."""
+def _take(zygote: Any, wanted: bool, sup: Callable[[], Any]) -> Callable[[Any], Any]:
+    """The supervisor's ``take``: a rank forked from the executor's zygote, with its marks; or
+    why not (``wanted``: the driver asked for zygotes)."""
     from nbdist import timeline
+    from nbdist.rank.supervisor import Taken
 
     def take(spec: Any) -> Any:
+        if zygote is None and not wanted:
+            return Taken(None, why="zygotes are off (NBDIST_ZYGOTE=0 or NBDIST_WARM_POOL=0 in "
+                         "the notebook)")
+        if zygote is None:
+            return Taken(None, why="this executor cannot keep a zygote (it needs Linux 5.3 or "
+                         "later: pidfd_open)")
         # torch's TCPStore client backs off about half a second when rank 0's store is not
         # listening yet: where rank 0 runs on this host too, its fork comes first.
         rp = zygote.take(spec, rank0_here=sup().world().get("MASTER_ADDR") == spec.host)
-        if rp is not None:
-            sup().mark(timeline.ZYGOTE, zygote.ready_at)
-            sup().mark(timeline.FORKED, zygote.forked_at)
-        return rp
+        if rp is None:
+            return Taken(None, why=zygote.why or "the executor's zygote did not fork the rank")
+        sup().mark(timeline.ZYGOTE, zygote.ready_at)
+        sup().mark(timeline.FORKED, zygote.forked_at)
+        return Taken(rp, "forked")
 
     return take
 

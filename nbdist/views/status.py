@@ -287,16 +287,43 @@ def silent_note(job: JobState) -> str:
             f"stops the job.")
 
 
+#: How a rank's interpreter was obtained (``RankState.start``), in words.
+STARTS = {
+    "forked": ("forked from a zygote", "forked from a zygote"),
+    "warm": ("started in a warm interpreter, not forked",
+             "started in warm interpreters, not forked"),
+    "fresh": ("started as a fresh interpreter", "started as fresh interpreters"),
+}
+
+
+def start_lines(job: JobState, forked: bool = False) -> list[str]:
+    """How the job's ranks started and why not from a zygote, one line per way and reason:
+    ``ranks 0, 1 started as fresh interpreters: the zygote cannot fork: thread ...``. Ranks
+    forked from a zygote are left out unless ``forked``."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    with job.lock:
+        for r in job.ranks:
+            if r.start in STARTS and (forked or r.start != "forked"):
+                groups.setdefault((r.start, r.start_why), []).append(r.rank)
+    lines = []
+    for (how, why), ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+        words = STARTS[how][len(ranks) > 1]
+        lines.append(f"{who} {words}" + (f": {why}" if why and how != "forked" else ""))
+    return lines
+
+
 def _ranks_block(job: JobState, head: str) -> str:
-    """``head``, the reason the job ended (if any), and the table of its ranks."""
+    """``head``, the reason the job ended (if any), the table of its ranks, and why they did
+    not start from a zygote (if they did not)."""
     if job.reason:
         head += f"\n{job.reason.splitlines()[0]}"
     rows, more = _rank_rows(job)
     table = text_table(_RANK_COLUMNS, rows)
     if more:
         table += f"\n... and {more} more ranks ({_counts(job)})"
-    note = silent_note(job)
-    return head + "\n" + table + (f"\n{note}" if note else "")
+    notes = [*start_lines(job), silent_note(job)]
+    return head + "\n" + table + "".join(f"\n{note}" for note in notes if note)
 
 
 def ranks_table(job: JobState) -> str:
@@ -390,7 +417,8 @@ class JobsReport(Report):
         self.rejected = rejected
 
     def _capacity_lines(self) -> list[str]:
-        lines = [f"capacity ({name}): {c.slots} ranks at once, {c.gpus} GPUs — {c.detail}"
+        lines = [f"capacity ({name}): {c.slots} ranks at once, {c.gpus} "
+                 f"GPU{'' if c.gpus == 1 else 's'} — {c.detail}"
                  for name, c in self.capacities]
         if self.rejected:
             lines.append(f"event channel: {self.rejected} connections rejected (bad secret or "
@@ -443,7 +471,8 @@ class RanksReport(Report):
                             raw=frozenset({"state", "last_line"}))
         more_html = f"<div>… and {more} more ranks</div>" if more else ""
         note = silent_note(job)
-        note_html = f"<div style='color:{SILENT_COLOR}'>{html.escape(note)}</div>" if note else ""
+        note_html = "".join(f"<div>{html.escape(line)}</div>" for line in start_lines(job))
+        note_html += f"<div style='color:{SILENT_COLOR}'>{html.escape(note)}</div>" if note else ""
         attempts = _attempt_rows(job)
         attempts_html = html_table(_ATTEMPT_COLUMNS, _ATTEMPT_COLUMNS, attempts) \
             if attempts else ""

@@ -17,7 +17,7 @@ import tempfile
 
 from nbdist import timeline
 from nbdist.state import JobState
-from nbdist.views.status import MAX_TABLE_ROWS, Report, html_table, text_table
+from nbdist.views.status import MAX_TABLE_ROWS, Report, html_table, start_lines, text_table
 
 #: Characters of a rank's bar in the text view.
 BAR_CHARS = 60
@@ -160,7 +160,8 @@ class TimelineReport(Report):
         return "".join(cells)
 
     def _text(self) -> str:
-        parts = [self.head(), text_table(["rank", "host", *self.columns], self.rows())]
+        parts = [self.head(), *start_lines(self.job, forked=True),
+                 text_table(["rank", "host", *self.columns], self.rows())]
         if self.more:
             parts.append(f"... and {self.more} more ranks (the trace file has them all)")
         width = len(str(max(self.job.np - 1, 0)))
@@ -201,7 +202,9 @@ class TimelineReport(Report):
             for name, color in COLORS.items())
         medians = ", ".join(f"{html.escape(n)} {d:.3f} s" for n, d in self.medians())
         more = f"<div>… and {self.more} more ranks</div>" if self.more else ""
+        starts = "".join(f"<div>{html.escape(line)}</div>"
+                         for line in start_lines(self.job, forked=True))
         return (f"<div class='nbdist-timeline'><div>{html.escape(self.head())} · "
-                f"{self.span:.2f} s in all</div>{table}{more}<div>{legend}</div>"
+                f"{self.span:.2f} s in all</div>{starts}{table}{more}<div>{legend}</div>"
                 f"<div>median per rank: {medians}</div></div>")
 

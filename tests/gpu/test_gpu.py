@@ -1,9 +1,10 @@
 """nbdist on real NVIDIA GPUs (marker ``gpu``): every test here skips without one.
 
-They check what only a GPU can show: a rank forked from the zygote (which never touched CUDA)
+They check what only a GPU can show: a rank forked from the zygote (which never started CUDA)
 initialises CUDA and trains; NCCL's process group with one GPU per rank; a cell whose value is
 a CUDA tensor; ``--gpu`` on the local backend; a session keeping a CUDA model between cells;
-the panel naming each rank's GPU. With one GPU the multi-rank checks run on one rank (NCCL
+the panel naming each rank's GPU; a module that starts CUDA at import: ranks start fresh and
+say why (``launch/fork_safety.py``). With one GPU the multi-rank checks run on one rank (NCCL
 refuses two ranks on one device). Run them alone with ``pytest -m gpu``.
 """
 
@@ -18,7 +19,7 @@ import pytest
 
 import nbdist
 from nbdist import session as sessions
-from nbdist.launch import local
+from nbdist.launch import fork_safety, local
 from nbdist.launch.zygote import COMMAND
 
 from ..helpers import run
@@ -62,14 +63,19 @@ def train_on_gpu() -> dict[str, Any]:
 def test_a_rank_forked_from_the_zygote_initialises_cuda_and_trains() -> None:
     """A zygote-forked rank trains on its GPU, and the zygote itself never loaded CUDA."""
     first = nbdist.run(train_on_gpu, np=1, gpu=True).result(timeout=240)
-    second = nbdist.run(train_on_gpu, np=1, gpu=True).result(timeout=240)
+    job = nbdist.run(train_on_gpu, np=1, gpu=True)
+    second = job.result(timeout=240)
+    rank = job.state.ranks[0]
+    assert rank.start == "forked", f"started {rank.start}: {rank.start_why}"
     (zygote,) = local.pool.pids()
     assert second["parent"] == zygote  # forked, not a fresh interpreter
     assert COMMAND in " ".join(psutil.Process(zygote).cmdline())
     for result in (first, second):
         assert result["device"] == "cuda:0" and result["last"] < result["first"] / 2
-    with open(f"/proc/{zygote}/maps") as maps:  # still safe to fork: no CUDA driver inside
-        assert not any("libcuda.so" in line for line in maps)
+    # Still safe to fork: no CUDA driver started inside (a mapped libcuda.so is allowed).
+    handles = [os.readlink(f"/proc/{zygote}/fd/{fd}") for fd in os.listdir(f"/proc/{zygote}/fd")]
+    with open(f"/proc/{zygote}/maps") as maps:
+        assert fork_safety.device_handles(handles, maps) == []
 
 
 def nccl_all_reduce() -> dict[str, Any]:
@@ -171,3 +177,30 @@ def test_the_panel_shows_each_ranks_gpu() -> None:
     panel.render()
     for rank in range(NP):
         assert f"GPU {GPUS[rank]}" in panel.rows[rank].label.value
+
+
+def test_a_module_that_starts_cuda_at_import_makes_ranks_start_fresh_and_says_so(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed module that initialises CUDA at import: the zygote does not fork, the
+    ranks start fresh and work, and why names the module and the driver's handles."""
+    site = tmp_path / "site-packages"  # what counts as installed, not the user's own code
+    site.mkdir()
+    (site / "nbdist_cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(site), os.environ.get("PYTHONPATH")])))
+
+    def uses_it() -> float:
+        import nbdist_cuda_at_import  # noqa: F401
+        import torch
+
+        return float(torch.ones(2, device="cuda").sum().item())
+
+    assert nbdist.run(uses_it, np=1, gpu=True).result(timeout=240) == 2.0
+    job = nbdist.run(uses_it, np=1, gpu=True)
+    assert job.result(timeout=240) == 2.0
+    rank = job.state.ranks[0]
+    assert rank.start in ("warm", "fresh")
+    assert rank.start_why.startswith(
+        "the zygote cannot fork: module nbdist_cuda_at_import started the CUDA driver at "
+        "import (the process holds /dev/nvidia"), rank.start_why

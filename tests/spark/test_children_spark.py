@@ -100,3 +100,6 @@ def test_a_child_forked_during_a_flood_on_a_spark_rank_repeats_nothing(
     r = job.state.ranks[0]
     assert [line.text for line in r.log] == [f"p {i}" for i in range(n)] + ["child",
                                                                              "parent done"]
+    if zygote == "0":  # the rank says why it was not forked
+        assert (r.start, r.start_why) == ("fresh", "zygotes are off (NBDIST_ZYGOTE=0 or "
+                                          "NBDIST_WARM_POOL=0 in the notebook)")

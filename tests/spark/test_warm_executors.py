@@ -145,6 +145,66 @@ def test_an_installed_module_edited_between_runs_is_never_stale_on_an_executor(
         _stop_zygotes(spark_mark)  # stale now that the module is gone: no test after gets one
 
 
+def _maps_libcuda() -> dict[str, object]:
+    import os
+
+    import nbdist_maps_libcuda_spark  # type: ignore[import-not-found]  # noqa: F401
+
+    return {"parent": os.getppid()}
+
+
+def _threaded() -> int:
+    import nbdist_threaded_spark  # type: ignore[import-not-found]  # noqa: F401
+
+    return 1
+
+
+def test_the_executors_zygote_judges_fork_safety_by_the_cuda_driver_and_says_why(
+    spark_local: SparkSession, spark_mark: str, tmp_path: Path,
+) -> None:
+    """An installed module that maps a ``libcuda.so.1`` at import and starts no driver: the
+    executor's zygote still forks; one that starts a thread: the ranks start fresh, and the
+    job's ranks say why (no zygote yet; the zygote's thread, named)."""
+    from ..test_fork_safety import _fake_libcuda
+
+    lib = _fake_libcuda(tmp_path)
+    _stop_zygotes(spark_mark)
+    site = Path(sysconfig.get_paths()["purelib"])
+    modules = {site / "nbdist_maps_libcuda_spark.py": f"import ctypes\nctypes.CDLL({str(lib)!r})\n",
+               site / "nbdist_threaded_spark.py": "import threading\nthreading.Thread(target="
+               "threading.Event().wait, daemon=True, name='poller').start()\n"}
+    for path, source in modules.items():
+        path.write_text(source)
+    try:
+        first = nbdist.run(_maps_libcuda, np=2, backend="spark")
+        assert len(first.results) == 2
+        assert [(r.start, r.start_why) for r in first.state.ranks] == [
+            ("fresh", "no zygote on this executor yet (this task leaves one behind for the "
+                      "next runs)")] * 2
+        job = _until_forked(2, fn=_maps_libcuda)
+        (parent,) = {r["parent"] for r in job.results}
+        with open(f"/proc/{parent}/maps") as maps:
+            assert str(lib) in maps.read()  # the zygote that forked them maps it
+        assert [r.start for r in job.state.ranks] == ["forked", "forked"]
+        refused = "the executor's zygote cannot fork: thread 'poller' (runs threading.Event.wait"
+        for _ in range(6):  # the first runs leave a zygote behind, which imports the module
+            threaded = nbdist.run(_threaded, np=2, backend="spark")
+            assert threaded.results == [1, 1]
+            whys = [r.start_why for r in threaded.state.ranks]
+            if all(why.startswith(refused) for why in whys):
+                break
+        else:
+            raise AssertionError(f"no run's ranks said the zygote cannot fork: {whys}")
+        assert "module nbdist_threaded_spark started it at import" in whys[0]
+        assert [r.start for r in threaded.state.ranks] == ["fresh", "fresh"]
+    finally:
+        for path in modules:
+            path.unlink()
+        for cached in site.glob("__pycache__/nbdist_*_spark.*"):
+            cached.unlink()
+        _stop_zygotes(spark_mark)
+
+
 def _stop_zygotes(mark: str) -> None:
     for old in zygotes(mark):
         old.terminate()
