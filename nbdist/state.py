@@ -331,6 +331,8 @@ class Summary(Group):
 
     outliers: tuple[int, ...] = ()  # running ranks far behind the median, slowest first
     hosts: tuple[Group, ...] = ()  # by their lowest rank (the order of NODE_RANK)
+    #: Every rank: those still running before those that ended, each by progress then rank.
+    slowest_first: tuple[int, ...] = ()
 
     @property
     def attention(self) -> tuple[int, ...]:
@@ -341,19 +343,29 @@ class Summary(Group):
         return tuple(seen)
 
 
-def _group(name: str, ranks: Sequence[RankState], now: float) -> tuple[Group, dict[int, float]]:
-    counts = collections.Counter(r.status for r in ranks)
-    done = {r.rank: f for r in ranks if (f := fraction(r.current_bar)) is not None}
-    ordered = sorted(done.items(), key=lambda kv: (kv[1], kv[0]))
+class _Seen(NamedTuple):
+    """What the summary needs of one rank, read once per summary."""
+
+    rank: int
+    status: str
+    fraction: float | None
+    silent: bool
+
+
+def _group(name: str, seen: Sequence[_Seen]) -> tuple[Group, dict[int, float]]:
+    counts = collections.Counter(s.status for s in seen)
+    done = {s.rank: s.fraction for s in seen if s.fraction is not None}
+    slowest = fastest = None
+    if done:
+        slowest = min(done.items(), key=lambda kv: (kv[1], kv[0]))
+        fastest = max(done.items(), key=lambda kv: (kv[1], -kv[0]))
     group = Group(
-        name=name, ranks=tuple(r.rank for r in ranks),
+        name=name, ranks=tuple(s.rank for s in seen),
         starting=counts[PENDING] + counts[STARTING], running=counts[RUNNING],
         done=counts[DONE], failed=counts[FAILED], cancelled=counts[CANCELLED],
-        silent=tuple(r.rank for r in ranks if r.silent(now)),
-        failed_ranks=tuple(r.rank for r in ranks if r.status == FAILED),
-        reporting=len(done),
-        slowest=ordered[0] if ordered else None,
-        fastest=max(ordered, key=lambda kv: (kv[1], -kv[0])) if ordered else None,
+        silent=tuple(s.rank for s in seen if s.silent),
+        failed_ranks=tuple(s.rank for s in seen if s.status == FAILED),
+        reporting=len(done), slowest=slowest, fastest=fastest,
         median=statistics.median(done.values()) if done else None,
     )
     return group, done
@@ -363,21 +375,28 @@ def summarize(ranks: Sequence[RankState], now: float) -> Summary:
     """The job's counts and progress spread, its outliers, and the same per host.
 
     Pure: what ``ranks`` hold at ``now``. Ranks that have not said where they run yet are
-    grouped under ``"?"``."""
-    whole, fractions = _group("all", ranks, now)
+    grouped under ``"?"``. One pass over the ranks: a panel of 1024 ranks calls this on
+    every render."""
+    seen: list[_Seen] = []
+    by_host: dict[str, list[_Seen]] = {}
+    for r in ranks:
+        bar = r.progress.get(r.bar) if r.bar is not None else None
+        item = _Seen(r.rank, r.status, fraction(bar), r.silent(now))
+        seen.append(item)
+        by_host.setdefault(r.host or "?", []).append(item)
+    whole, fractions = _group("all", seen)
+    ordered = sorted(seen, key=lambda s: (s.status in FINAL, s.fraction or 0.0, s.rank))
     outliers: tuple[int, ...] = ()
     if whole.median is not None and len(fractions) >= 3:
-        mad = statistics.median(abs(f - whole.median) for f in fractions.values())
+        median = whole.median
+        mad = statistics.median(abs(f - median) for f in fractions.values())
         behind = max(OUTLIER_BEHIND, OUTLIER_MADS * mad)
-        running = {r.rank for r in ranks if r.status in (STARTING, RUNNING)}
-        outliers = tuple(rank for rank, f in sorted(fractions.items(), key=lambda kv: kv[1])
-                         if rank in running and whole.median - f > behind)
-    by_host: dict[str, list[RankState]] = {}
-    for r in ranks:
-        by_host.setdefault(r.host or "?", []).append(r)
-    hosts = tuple(_group(host, members, now)[0] for host, members in by_host.items())
+        outliers = tuple(s.rank for s in ordered if s.status in (STARTING, RUNNING)
+                         and s.fraction is not None and median - s.fraction > behind)
+    hosts = tuple(_group(host, members)[0] for host, members in by_host.items())
     return Summary(**{f: getattr(whole, f) for f in Group.__dataclass_fields__},
-                   outliers=outliers, hosts=hosts)
+                   outliers=outliers, hosts=hosts,
+                   slowest_first=tuple(s.rank for s in ordered))
 
 
 _STATES = frozenset({PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED, "silent", "outliers"})

@@ -24,7 +24,9 @@ Importing this module imports ipywidgets; the magics import it only when a panel
 from __future__ import annotations
 
 import html
+import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,11 @@ RATE_HZ = 10.0
 #: next one (16 busy ranks change ~40 widgets per tick). JupyterLab starts dropping messages
 #: somewhere above 300 per second.
 MESSAGES_PER_S = 200.0
+#: Share of a core the panel's renders may take: after a render that took ``t`` of CPU, the
+#: next waits at least ``t / RENDER_SHARE``. Renders of a few ranks take well under a
+#: millisecond (so ``RATE_HZ`` decides); a render of 1024 ranks a few milliseconds, so such a
+#: panel updates about once a second and the driver stays under 2 % of a core.
+RENDER_SHARE = 0.005
 #: Above this many ranks, rows collapse into a summary plus the ranks worth looking at, and
 #: every rank is listed by host in groups that start closed.
 MAX_ROWS = 16
@@ -272,10 +279,12 @@ class Panel(BackgroundRenderer):
     def _loop(self) -> None:
         interval = 1.0 / RATE_HZ
         while not self._stop.is_set():
+            cpu = time.thread_time()
             sent = self.render()
+            cpu = time.thread_time() - cpu
             if self.job.status in FINAL and self.job.ended is not None:
                 break
-            self._stop.wait(max(interval, sent / MESSAGES_PER_S))
+            self._stop.wait(max(interval, sent / MESSAGES_PER_S, cpu / RENDER_SHARE))
         self._finish()
 
     # -- rendering ----------------------------------------------------------------------------
@@ -309,7 +318,7 @@ class Panel(BackgroundRenderer):
             if self.collapsed:
                 summary = job.summary()
                 sent += _set(self.summary, value=status.collapsed_summary(job, summary))
-                self.shown = _worth_showing(job, summary, len(self.rows))
+                self.shown = _worth_showing(summary, len(self.rows))
             for row, rank in zip(self.rows, self.shown, strict=False):
                 sent += row.show(job.ranks[rank])
             if self.collapsed:
@@ -416,16 +425,13 @@ def _ranks_html(job: JobState, ranks: Sequence[int]) -> str:
     return f"<table class='nbdist-ranks'>{''.join(rows)}</table>"
 
 
-def _worth_showing(job: JobState, summary: Summary, slots: int) -> list[int]:
+def _worth_showing(summary: Summary, slots: int) -> list[int]:
     """Ranks to give the rows of a collapsed panel, in this order: failed, silent and lagging
     ranks, rank 0, then the slowest of the rest (running before ended ones)."""
     chosen = status.worth_a_look(summary, slots)
     picked = set(chosen)
-    rest = sorted(
-        (r for r in job.ranks if r.rank not in picked),
-        key=lambda r: (r.status in FINAL, _fraction(r.current_bar), r.rank),
-    )
-    return [*chosen, *(r.rank for r in rest[:max(0, slots - len(chosen))])]
+    rest = (rank for rank in summary.slowest_first if rank not in picked)
+    return [*chosen, *itertools.islice(rest, max(0, slots - len(chosen)))]
 
 
 class _PanelBox(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped
