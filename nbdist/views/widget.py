@@ -56,9 +56,11 @@ RATE_HZ = 10.0
 MESSAGES_PER_S = 200.0
 #: Share of a core the panel's renders may take: after a render that took ``t`` of CPU, the
 #: next waits at least ``t / RENDER_SHARE``. Renders of a few ranks take well under a
-#: millisecond (so ``RATE_HZ`` decides); a render of 1024 ranks a few milliseconds, so such a
-#: panel updates about once a second and the driver stays under 2 % of a core.
-RENDER_SHARE = 0.005
+#: millisecond (so ``RATE_HZ`` decides); a render of 1024 ranks several milliseconds, so such
+#: a panel updates about once a second and the driver stays near 2 % of a core.
+RENDER_SHARE = 0.01
+#: ... but never waits longer than this (a first render that builds many widgets costs more).
+MAX_RENDER_WAIT_S = 1.0
 #: Above this many ranks, rows collapse into a summary plus the ranks worth looking at, and
 #: every rank is listed by host in groups that start closed.
 MAX_ROWS = 16
@@ -284,7 +286,8 @@ class Panel(BackgroundRenderer):
             cpu = time.thread_time() - cpu
             if self.job.status in FINAL and self.job.ended is not None:
                 break
-            self._stop.wait(max(interval, sent / MESSAGES_PER_S, cpu / RENDER_SHARE))
+            self._stop.wait(max(interval, sent / MESSAGES_PER_S,
+                                min(MAX_RENDER_WAIT_S, cpu / RENDER_SHARE)))
         self._finish()
 
     # -- rendering ----------------------------------------------------------------------------
