@@ -357,8 +357,11 @@ def _group(name: str, seen: Sequence[_Seen]) -> tuple[Group, dict[int, float]]:
     done = {s.rank: s.fraction for s in seen if s.fraction is not None}
     slowest = fastest = None
     if done:
-        slowest = min(done.items(), key=lambda kv: (kv[1], kv[0]))
-        fastest = max(done.items(), key=lambda kv: (kv[1], -kv[0]))
+        # Ties go to the lowest rank both ways (``seen`` is in rank order).
+        low = min(done.values())
+        high = max(done.values())
+        slowest = next((r, f) for r, f in done.items() if f == low)
+        fastest = next((r, f) for r, f in done.items() if f == high)
     group = Group(
         name=name, ranks=tuple(s.rank for s in seen),
         starting=counts[PENDING] + counts[STARTING], running=counts[RUNNING],
@@ -379,11 +382,26 @@ def summarize(ranks: Sequence[RankState], now: float) -> Summary:
     every render."""
     seen: list[_Seen] = []
     by_host: dict[str, list[_Seen]] = {}
+    silent_before = now - SILENT_AFTER_S
+    talking = (STARTING, RUNNING)
     for r in ranks:
-        bar = r.progress.get(r.bar) if r.bar is not None else None
-        item = _Seen(r.rank, r.status, fraction(bar), r.silent(now))
+        frac = None
+        if r.bar is not None:
+            bar = r.progress.get(r.bar)
+            if bar:
+                total, n = bar.get("total"), bar.get("n") or 0
+                if isinstance(total, (int, float)) and total > 0 and isinstance(n, (int, float)):
+                    frac = 0.0 if n <= 0 else 1.0 if n >= total else n / total
+        silent = (r.status in talking and r.last_seen is not None
+                  and r.last_seen <= silent_before)
+        item = _Seen(r.rank, r.status, frac, silent)
         seen.append(item)
-        by_host.setdefault(r.host or "?", []).append(item)
+        host = r.host or "?"
+        members = by_host.get(host)
+        if members is None:
+            by_host[host] = [item]
+        else:
+            members.append(item)
     whole, fractions = _group("all", seen)
     ordered = sorted(seen, key=lambda s: (s.status in FINAL, s.fraction or 0.0, s.rank))
     outliers: tuple[int, ...] = ()
@@ -391,7 +409,7 @@ def summarize(ranks: Sequence[RankState], now: float) -> Summary:
         median = whole.median
         mad = statistics.median(abs(f - median) for f in fractions.values())
         behind = max(OUTLIER_BEHIND, OUTLIER_MADS * mad)
-        outliers = tuple(s.rank for s in ordered if s.status in (STARTING, RUNNING)
+        outliers = tuple(s.rank for s in ordered if s.status in talking
                          and s.fraction is not None and median - s.fraction > behind)
     hosts = tuple(_group(host, members)[0] for host, members in by_host.items())
     return Summary(**{f: getattr(whole, f) for f in Group.__dataclass_fields__},
