@@ -243,13 +243,13 @@ class Panel(BackgroundRenderer):
         # them without the kernel), and a filter that lists the ranks it names.
         self.host_names: list[str] = []
         self._host_turn = 0
-        self.hosts = w.Accordion(children=[], selected_index=None,
-                                 _dom_classes=("nbdist-hosts",))
-        self.filter = w.Text(value="", placeholder="8-15, failed, silent, outliers, host=NAME",
-                             description="ranks", continuous_update=False,
-                             _dom_classes=("nbdist-filter",))
-        self.filtered = w.HTML(_dom_classes=("nbdist-filtered",))
-        if self.collapsed:
+        if self.collapsed:  # (a small job's panel opens no widget it does not show)
+            self.hosts = w.Accordion(children=[], selected_index=None,
+                                     _dom_classes=("nbdist-hosts",))
+            self.filter = w.Text(value="", description="ranks", continuous_update=False,
+                                 placeholder="8-15, failed, silent, outliers, host=NAME",
+                                 _dom_classes=("nbdist-filter",))
+            self.filtered = w.HTML(_dom_classes=("nbdist-filtered",))
             self.filter.observe(self._filtered, names="value")
             self.groups = w.Accordion(
                 children=[w.VBox([self.filter, self.filtered, self.hosts])],
