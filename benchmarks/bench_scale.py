@@ -1,6 +1,7 @@
-"""Scale on paper: what 256 ranks cost the driver's event server.
+"""Scale on paper: what 64, 256 or 1024 ranks cost the driver's event server and panel.
 
-256 simulated ranks connect to a real :class:`nbdist.events.EventServer` from one separate
+Simulated ranks (256 by default; ``--ranks 64,256,1024`` runs each size in a process of its
+own and writes one table) connect to a real :class:`nbdist.events.EventServer` from one separate
 process: cheap ranks (no rank processes), but each talks through the supervisor's own
 :class:`nbdist.rank.client.EventClient`, coalescing included. Each sends ``--rate`` events per
 second (an output batch, a progress update and a metrics update in turn, a heartbeat every
@@ -12,12 +13,25 @@ during the run and once every rank's log ring is full. The newest progress and m
 every rank must be in the state at the end (coalescing may only skip superseded updates), and
 no event lost.
 
+The panel is attached (unless ``--no-panel``): a real ``nbdist.views.widget.Panel`` on its own
+thread, rendering as in a notebook; widgets without a front end send nothing, so its messages
+and their bytes are counted here, and once the job ends every rank's newest progress must be
+in the panel (its host groups list every rank). Ranks sit 8 to a host (``node-0``, ...), as on
+8-GPU machines, so the panel and reports group them as they would on a cluster.
+
+The rendezvous is timed as a job does it: every simulated rank says hello as a supervisor does
+(rank 0 offering MASTER_PORT, every rank a TensorFlow port); once all have, the driver plans the
+world (``world.plan_world``) and sends each rank its environment. Reported: the driver's CPU
+for the plan and for the sends, and the wall time from the first hello to the last rank
+holding its environment.
+
 With ``--metrics N`` (issue 16) every event a rank sends is a report of N metrics instead
 (heartbeats apart), and ``--charts`` renders the panel's charts in the driver from the job's
 series (``nbdist.views.charts.ChartsView``, polled ten times a second under the job's lock as
 the panel does): what it costs, how many redraws and how many bytes they would send.
 
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256] [--rate 10] [--seconds 20]
+    .venv/bin/python benchmarks/bench_scale.py --ranks 64,256,1024 --seconds 10
     .venv/bin/python benchmarks/bench_scale.py --metrics 5 --charts
 """
 
@@ -33,11 +47,13 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from nbdist import channel, events
 from nbdist.state import LOG_LINES, JobState
+from nbdist.world import Hello, plan_world
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,11 +69,21 @@ CLIENTS = textwrap.dedent("""
     res = {"t": "res", "cpu": 187.5, "rss": 1234567890}
     # The supervisor's own client, with its coalescing: each simulated rank is one EventClient,
     # connecting at the same time as the others, as the ranks of a job do.
+    world_at = [0.0] * ranks  # when each rank got its environment (time.monotonic)
+    world = threading.Semaphore(0)
     def connect(r):
-        return EventClient((host, int(port)), job, r, secret, {"host": "sim"},
-                           lambda message: None)
+        def on_message(message, r=r):
+            if message.get("t") == "world":
+                world_at[r] = time.monotonic()
+                world.release()
+        hello = {"host": f"node-{r // 8}", "cpus": 64, "tf_port": 20000 + r % 8}
+        if r == 0:
+            hello["port"] = 29500
+        return EventClient((host, int(port)), job, r, secret, hello, on_message)
     with ThreadPoolExecutor(64) as pool:
         clients = list(pool.map(connect, range(ranks)))
+    for _ in range(ranks):
+        world.acquire(timeout=60)
     kinds = [
         lambda i: {"t": "out", "s": "o", "text": f"step {i} loss 0.123\\n"},
         lambda i: {"t": "progress", "id": 1, "n": i, "total": 1000, "desc": "train"},
@@ -88,20 +114,42 @@ CLIENTS = textwrap.dedent("""
     for t in closing:
         t.join()
     print(json.dumps({"sent": sent, "dropped": sum(c.dropped for c in clients),
-                      "last": last}), flush=True)
+                      "last": last, "world_last": max(world_at),
+                      "world_missing": world_at.count(0.0)}), flush=True)
 """)
 
 
 class Channel:
-    """The job's side of the channel, as ``nbdist.job.Job`` has it: events go to the state."""
+    """The job's side of the channel, as ``nbdist.job.Job`` has it: events go to the state,
+    and the rendezvous once every rank said hello (``Job.on_connect``)."""
 
-    def __init__(self, job: JobState) -> None:
+    def __init__(self, job: JobState, server: events.EventServer) -> None:
         self.job = job
+        self.server = server
         self.received = 0
         self.gone = threading.Semaphore(0)  # released once per closed connection
+        self.hellos: dict[int, Hello] = {}
+        self.first_hello = 0.0  # time.monotonic()
+        self.plan_cpu_s = 0.0
+        self.send_cpu_s = 0.0
+        self.world_bytes = 0
 
     def on_connect(self, rank: int, hello: dict[str, object]) -> None:
-        self.job.apply(rank, {"t": "hello", "host": hello.get("host"), "gpus": []})
+        h = Hello.from_event(rank, hello)
+        self.job.apply(rank, {"t": "hello", "host": h.host, "gpus": list(h.gpus)})
+        self.hellos[rank] = h
+        if len(self.hellos) == 1:
+            self.first_hello = time.monotonic()
+        if len(self.hellos) < self.job.np:
+            return
+        t0 = time.thread_time()
+        envs = plan_world(self.hellos, self.job.np, "run", "bench")
+        t1 = time.thread_time()
+        for rank_, env in envs.items():
+            message = {"t": "world", "env": env}
+            self.world_bytes += len(channel.encode(message))
+            self.server.send("bench", rank_, message)
+        self.plan_cpu_s, self.send_cpu_s = t1 - t0, time.thread_time() - t1
 
     def on_event(self, rank: int, event: dict[str, object]) -> None:
         self.received += 1
@@ -166,25 +214,110 @@ def _full_logs_kb_per_rank(job: JobState, me: psutil.Process) -> float:
     return (me.memory_info().rss - before) / 1024 / job.np
 
 
-def main() -> int:
+class _Messages:
+    """Widget messages the panel would send to a front end: counted, with their bytes."""
+
+    def __init__(self) -> None:
+        import ipywidgets as w
+
+        self.count = 0
+        self.bytes = 0
+        self._original = w.Widget._send
+        messages = self
+
+        def counting(widget: Any, msg: dict[str, Any], buffers: Any = None) -> None:
+            if msg.get("method") == "update":
+                messages.count += 1
+                messages.bytes += len(json.dumps(msg.get("state"), default=str))
+            messages._original(widget, msg, buffers)
+
+        w.Widget._send = counting
+
+
+def _panel_misses(panel: Any, job: JobState) -> list[int]:
+    """Ranks whose newest progress the ended panel does not show (its host groups list every
+    rank, with its bar as ``n/total``)."""
+    tables = "".join(child.value for child in panel.hosts.children) if panel.collapsed else ""
+    missing = []
+    for r in job.ranks:
+        bar = r.progress.get(1)
+        if bar is None:
+            continue
+        shown = f"rank {r.rank}</td>" in tables and f"{bar.get('n')}/1000" in tables
+        if panel.collapsed and not shown:
+            missing.append(r.rank)
+    return missing
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        "| ranks | driver CPU (% of a core) | idle baseline | panel: renders, messages/s, "
+        "KB/s | memory per rank (run / full logs) | events sent / delivered / lost | "
+        "rendezvous: plan / sends (driver CPU) / wall | world sent |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        panel = (f"{r['panel_renders']}, {r['panel_messages_per_s']:.0f}, "
+                 f"{r['panel_kb_per_s']:.1f}" if r.get("panel") else "no panel")
+        rows.append(
+            f"| {r['ranks']} | {r['driver_cpu_pct_of_one_core']:.2f} % | "
+            f"{r['idle_baseline_cpu_pct']:.2f} % | {panel} | "
+            f"{r['driver_memory_kb_per_rank']:.1f} KB / "
+            f"{r['driver_memory_kb_per_rank_full_logs']:.0f} KB | {r['events_sent']} / "
+            f"{r['events_delivered']} / {r['events_lost']} | "
+            f"{1000 * r['rendezvous_plan_cpu_s']:.1f} ms / "
+            f"{1000 * r['rendezvous_send_cpu_s']:.1f} ms / "
+            f"{1000 * r['rendezvous_wall_s']:.0f} ms | {r['world_bytes'] / 1e6:.2f} MB |")
+    return "\n".join(rows) + "\n"
+
+
+def _sizes(args: argparse.Namespace) -> int:
+    """Each size in a process of its own (memory per rank is the process's own), one table."""
+    results = []
+    for n in args.ranks.split(","):
+        cmd = [sys.executable, __file__, "--ranks", n.strip(), "--rate", str(args.rate),
+               "--seconds", str(5.0 if args.quick else args.seconds)]
+        cmd += ["--no-resources"] if args.no_resources else []
+        cmd += ["--no-panel"] if args.no_panel else []
+        subprocess.run(cmd, check=False, cwd=ROOT)
+        results.append(json.loads((ROOT / "benchmarks" / "results" / "scale.json").read_text()))
+    text = _table(results)
+    bad = [r["ranks"] for r in results if r["events_lost"] or r["ranks_with_stale_values"]
+           or r.get("panel_misses")]
+    if bad:
+        text += f"\nsizes that lost something the views show: {bad}\n"
+    print(text)
+    out = ROOT / "benchmarks" / "results"
+    (out / "scale-sizes.json").write_text(json.dumps(results, indent=2))
+    (out / "scale-sizes.md").write_text(text)
+    return 1 if bad else 0
+
+
+def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps in order
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=256)
+    parser.add_argument("--ranks", default="256", help="a number, or several: 64,256,1024")
     parser.add_argument("--rate", type=float, default=10.0, help="events per second per rank")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--quick", action="store_true", help="5 seconds")
     parser.add_argument("--no-resources", action="store_true",
                         help="no resources samples (``res`` events), for comparison")
+    parser.add_argument("--no-panel", action="store_true", help="no panel attached")
     parser.add_argument("--metrics", type=int, default=0,
                         help="every event a report of this many metrics")
     parser.add_argument("--charts", action="store_true",
                         help="render the panel's charts from the series meanwhile")
     args = parser.parse_args()
+    if "," in args.ranks:
+        return _sizes(args)
+    ranks = int(args.ranks)
     seconds = 5.0 if args.quick else args.seconds
     me = psutil.Process()
+    with_panel = not args.no_panel and not (args.metrics or args.charts)
+    messages = _Messages() if with_panel else None
     server = events.EventServer("127.0.0.1")
     rss_empty = me.memory_info().rss
-    job = JobState("bench", "local", args.ranks)
-    job_channel = Channel(job)
+    job = JobState("bench", "local", ranks)
+    job_channel = Channel(job, server)
     secret = channel.new_secret()
     server.add_job("bench", secret, job_channel)
 
@@ -192,9 +325,15 @@ def main() -> int:
     time.sleep(seconds)
     idle_pct = 100 * (_cpu(me) - cpu0) / (time.monotonic() - t0)
 
+    panel = None
+    if with_panel:
+        from nbdist.views.widget import Panel
+
+        panel = Panel(job)  # built before the ranks connect, as %%distributed does
+        panel.start()
     clients = subprocess.Popen(
         [sys.executable, "-c", CLIENTS, *map(str, server.address), "bench", secret,
-         str(args.ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1",
+         str(ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1",
          str(args.metrics)],
         stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )
@@ -203,6 +342,8 @@ def main() -> int:
     drawing = threading.Event()
     view = _Charts(job) if args.charts else None
     drawer = threading.Thread(target=view.run, args=(drawing,)) if view else None
+    sent0 = (messages.count, messages.bytes) if messages else (0, 0)
+    renders0 = panel.renders if panel else 0
     cpu0, t0 = _cpu(me), time.monotonic()
     if drawer:
         drawer.start()
@@ -210,13 +351,27 @@ def main() -> int:
     drawing.set()
     if drawer:
         drawer.join()
-    busy_pct = 100 * (_cpu(me) - cpu0) / (time.monotonic() - t0)
+    wall = time.monotonic() - t0
+    busy_pct = 100 * (_cpu(me) - cpu0) / wall
+    panel_figures: dict[str, Any] = {}
+    if panel is not None and messages is not None:
+        panel_figures = {
+            "panel": True, "panel_renders": panel.renders - renders0,
+            "panel_messages_per_s": (messages.count - sent0[0]) / wall,
+            "panel_kb_per_s": (messages.bytes - sent0[1]) / 1024 / wall,
+        }
     clients.wait()
     clients.stdout.close()
     # As a job does before it ends: every connection read to its end, the last events in.
-    for _ in range(args.ranks):
-        if not channel.gone.acquire(timeout=30):
+    for _ in range(ranks):
+        if not job_channel.gone.acquire(timeout=30):
             break
+    if panel is not None:
+        for r in range(ranks):
+            job.set_rank(r, "done", 0)
+        job.finish("done")
+        panel.close()  # the final render: every pane and host group
+        panel_figures["panel_misses"] = len(_panel_misses(panel, job))
     rss_busy = me.memory_info().rss
     server.close()
     # Coalescing may skip superseded progress updates, never the newest value of anything.
@@ -228,34 +383,33 @@ def main() -> int:
         stale += [r for r, last in enumerate(report["last"])
                   if job.series.points("m1", r)[-1:] and
                   job.series.points("m1", r)[-1].step != last.get("metrics")]
-    per_rank_kb = (rss_busy - rss_empty) / 1024 / args.ranks
+    per_rank_kb = (rss_busy - rss_empty) / 1024 / ranks
     full_kb = _full_logs_kb_per_rank(job, me)
     sent = report["sent"]
     result = {
-        "ranks": args.ranks, "events_per_rank_per_s": args.rate, "seconds": seconds,
+        "ranks": ranks, "events_per_rank_per_s": args.rate, "seconds": seconds,
         "resources_samples": not args.no_resources,
-        "events_sent": sent, "events_delivered": channel.received,
+        "events_sent": sent, "events_delivered": job_channel.received,
         "events_lost": report["dropped"], "ranks_with_stale_values": len(stale),
         "driver_cpu_pct_of_one_core": round(busy_pct, 2),
         "idle_baseline_cpu_pct": round(idle_pct, 2),
         "driver_cpu_us_per_event_sent": round(10_000 * (busy_pct - idle_pct) /
-                                              (args.ranks * args.rate), 2),
+                                              (ranks * args.rate), 2),
         "driver_memory_kb_per_rank": round(per_rank_kb, 1),
         "driver_memory_kb_per_rank_full_logs": round(full_kb, 1),
         "metrics_per_report": args.metrics,
         "series_points_kept": sum(len(s) for name in job.series.names()
                                   for _, s in job.series.ranks(name)),
+        "rendezvous_plan_cpu_s": job_channel.plan_cpu_s,
+        "rendezvous_send_cpu_s": job_channel.send_cpu_s,
+        "rendezvous_wall_s": report["world_last"] - job_channel.first_hello,
+        "ranks_without_world": report["world_missing"],
+        "world_bytes": job_channel.world_bytes,
+        **panel_figures,
     }
     if view is not None:
         result.update(view.figures(time.monotonic() - t0))
-    text = (
-        "| ranks | events/s each | driver CPU (% of a core) | idle baseline | per event sent | "
-        "memory per rank (run / full logs) | events sent / delivered / lost |\n"
-        "| --- | --- | --- | --- | --- | --- | --- |\n"
-        f"| {args.ranks} | {args.rate:g} | {busy_pct:.2f} % | {idle_pct:.2f} % | "
-        f"{result['driver_cpu_us_per_event_sent']:.1f} µs | {per_rank_kb:.1f} KB / "
-        f"{full_kb:.0f} KB | {sent} / {channel.received} / {report['dropped']} |\n"
-    )
+    text = _table([result])
     if args.metrics:
         text += (f"\n{args.metrics} metrics a report; {result['series_points_kept']} points "
                  f"kept in the series of {len(job.series)} metrics.\n")
@@ -266,13 +420,17 @@ def main() -> int:
                  f"{result['chart_ms_per_redraw']:.1f} ms.\n")
     if stale:
         text += f"\n{len(stale)} ranks do not show their newest progress or metrics: {stale[:10]}\n"
+    if panel_figures.get("panel_misses"):
+        text += f"\n{panel_figures['panel_misses']} ranks' newest progress is not in the panel\n"
     print(text)
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     name = "scale-charts" if args.metrics or args.charts else "scale"
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     (out / f"{name}.md").write_text(text)
-    return 0 if not stale and not report["dropped"] else 1
+    failed = stale or report["dropped"] or report["world_missing"] or \
+        panel_figures.get("panel_misses")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,11 @@ MAX_HELLO_BYTES = 16 * 1024
 MAX_BLOCK_BYTES = 16 * 1024 * 1024
 #: A client writes at most this often; events sent in between go together in the next write.
 SEND_EVERY_S = 0.005
+#: Events that end a session cell, which the notebook waits for: a client writes them at once
+#: (not ``SEND_EVERY_S`` after its last write, nor its pace), and the server reads on without
+#: the pause it takes after a wake-up (``events.PACE_S``). A cell's round trip is a handful of
+#: writes, so this costs nothing in a flood, and saves a trivial cell most of its latency.
+PROMPT = frozenset({"cell_value", "cell_data", "cell_result", "cell_error"})
 
 Event = dict[str, Any]
 

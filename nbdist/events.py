@@ -52,6 +52,7 @@ from typing import Any, Protocol
 from nbdist.channel import (
     MAX_BLOCK_BYTES,
     MAX_HELLO_BYTES,
+    PROMPT,
     PROTOCOL_VERSION,
     SEND_EVERY_S,
     Event,
@@ -177,6 +178,7 @@ class EventServer:
         self._rbuf = bytearray(READ_BYTES)
         self._rview = memoryview(self._rbuf)
         self._pace = SEND_EVERY_S  # the write interval last told to the clients
+        self._prompt = False  # this wake-up delivered the end of a session cell (PROMPT)
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._jobs: dict[str, tuple[str, JobChannel]] = {}
@@ -258,7 +260,9 @@ class EventServer:
             # connections count against MAX_UNAUTHENTICATED.
             self._accept()
         self._expire()
-        if ready:
+        if self._prompt:
+            self._prompt = False  # a session cell's end: the other ranks' ends may follow
+        elif ready:
             # Let what arrives in the meantime pile up, to be read in one go.
             wait = min(MAX_PACE_S, max(PACE_S, self._pace / 4))
             time.sleep(max(0.0, woke + wait - time.monotonic()))
@@ -468,6 +472,8 @@ class EventServer:
         entry = self._jobs.get(conn.job_id or "")  # one dict read, atomic: no need for the lock
         if entry is not None:
             for event in batch:
+                if event.get("t") in PROMPT:
+                    self._prompt = True
                 try:
                     entry[1].on_event(conn.rank, event)
                 except Exception:  # a bad event must not kill the channel for every job

@@ -59,14 +59,20 @@ SESSION_RESTARTS = (
 )
 
 
-def parse_status(line: str) -> tuple[str | None, bool, str | None]:
-    """``%dist_status``'s arguments: the job, ``--timeline``, and ``--trace PATH``."""
+def parse_status(line: str) -> tuple[str | None, bool, str | None, str | None]:
+    """``%dist_status``'s arguments: the job, ``--timeline``, ``--trace PATH`` and
+    ``--ranks SPEC``."""
     job_id: str | None = None
-    show_timeline, trace = False, None
+    show_timeline, trace, ranks = False, None, None
     args = iter(shlex.split(line))
     for arg in args:
         if arg == "--timeline":
             show_timeline = True
+        elif arg == "--ranks" or arg.startswith("--ranks="):
+            ranks = arg.partition("=")[2] or next(args, "")
+            if not ranks:
+                raise UsageError("--ranks takes the ranks to list: all, 8-15, failed, silent, "
+                                 "outliers, host=NAME (e.g. %dist_status JOB --ranks all)")
         elif arg == "--trace" or arg.startswith("--trace="):
             trace = arg.partition("=")[2] or next(args, "")
             if not trace:
@@ -74,17 +80,17 @@ def parse_status(line: str) -> tuple[str | None, bool, str | None]:
                                  "(e.g. --trace launch.json)")
         elif arg.startswith("-"):
             raise UsageError(f"%dist_status: unknown option {arg!r} (options: --timeline, "
-                             f"--trace PATH)")
+                             f"--trace PATH, --ranks SPEC)")
         elif job_id is None:
             job_id = arg
         else:
             raise UsageError(f"%dist_status takes one job, not {job_id!r} and {arg!r}")
-    if job_id is None and (show_timeline or trace is not None):
-        raise UsageError("--timeline and --trace need a job: %dist_status JOB --timeline "
-                         "(%dist_status lists the jobs)")
+    if job_id is None and (show_timeline or trace is not None or ranks is not None):
+        raise UsageError("--timeline, --trace and --ranks need a job: %dist_status JOB "
+                         "--timeline (%dist_status lists the jobs)")
     if trace is not None and (problem := timeline_view.trace_target_problem(trace)) is not None:
         raise UsageError(f"--trace {trace}: {problem}")
-    return job_id, show_timeline, trace
+    return job_id, show_timeline, trace, ranks
 
 
 def _launch_arguments(func: Any) -> Any:
@@ -441,9 +447,11 @@ class DistMagics(Magics):
         ``%dist_status JOB`` shows one job's ranks: state, host, pid, GPU, exit code, CPU and
         memory, last lines. ``%dist_status JOB --timeline`` shows where its launch time went
         per rank (a table and a bar per rank); ``--trace PATH`` writes it as a Chrome trace
-        file for Perfetto or chrome://tracing.
+        file for Perfetto or chrome://tracing. A job of more than 16 ranks shows a summary
+        line, a row per host and the ranks worth a look; ``--ranks SPEC`` lists the ranks SPEC
+        names (``all``, ``8-15``, ``failed``, ``silent``, ``outliers``, ``host=NAME``).
         """
-        job_id, show_timeline, trace = parse_status(line)
+        job_id, show_timeline, trace, ranks = parse_status(line)
         if job_id is not None:
             job = jobs.get_job(job_id)
             if job is None:
@@ -455,8 +463,12 @@ class DistMagics(Magics):
                     raise UsageError(f"--trace {trace}: {exc}") from None
             if show_timeline:
                 display(timeline_view.TimelineReport(job.state))
-            if not (show_timeline or trace is not None):
-                display(status.RanksReport(job.state))
+            if not (show_timeline or trace is not None) or ranks is not None:
+                try:
+                    report = status.RanksReport(job.state, ranks)
+                except ValueError as exc:
+                    raise UsageError(f"%dist_status {job_id} --ranks: {exc}") from None
+                display(report)
             return
         display(status.JobsReport([j.state for j in jobs.jobs()], backends.capacities(),
                                   rejected=events.rejected_connections()))

@@ -487,6 +487,7 @@ class CellValueEvent(TypedDict):
     cell: int | None
     sizes: list[int]
     type: str | None
+    bytes: list[int]  # which sizes' segments are ``bytes`` objects (``values.bytes_segments``)
 
 
 class CellDataEvent(TypedDict):
@@ -537,6 +538,7 @@ class ResultEvent(TypedDict, total=False):
     t: Literal["result"]
     type: str
     sizes: list[int]
+    bytes: list[int]  # which of the sizes are ``bytes`` objects (``values.bytes_segments``)
 
 
 #: Everything a rank sends: its interpreter to its supervisor (``Frame.EVENT``), and its

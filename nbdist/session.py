@@ -410,7 +410,8 @@ class SessionCell(Handle):
             return
         if kind == "cell_value":
             try:
-                receiver = values.Receiver(secret, self._number, event.get("sizes"))
+                receiver = values.Receiver(secret, self._number, event.get("sizes"),
+                                           event.get("bytes") or ())
             except (ValueError, MemoryError) as exc:
                 self._rank_ended(rank, None, (type(exc).__name__, str(exc), (
                     f"rank {rank}'s value ({event.get('sizes')} bytes, a {event.get('type')}) "

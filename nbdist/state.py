@@ -8,9 +8,11 @@ at ``MAX_PARTIAL`` characters. What falls out of view is counted, never silently
 from __future__ import annotations
 
 import collections
+import re
+import statistics
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -286,6 +288,192 @@ class JobState:
         now = time.time() if now is None else now
         with self.lock:
             return [r.rank for r in self.ranks if r.silent(now)]
+
+    def summary(self, now: float | None = None) -> Summary:
+        """The numbers a view of many ranks leads with (:func:`summarize`), under the lock."""
+        with self.lock:
+            return summarize(self.ranks, time.time() if now is None else now)
+
+
+# -- many ranks: the summary, the ranks worth a look, groups by host, a filter -------------------
+#: A rank is an outlier when its progress is behind the median by more than this fraction of
+#: the bar, or by more than ``OUTLIER_MADS`` median absolute deviations if that is wider.
+OUTLIER_BEHIND = 0.05
+OUTLIER_MADS = 3.0
+
+
+def fraction(bar: ProgressEvent | Mapping[str, Any] | None) -> float | None:
+    """How far a bar is (0..1), or None for none or one without a total."""
+    if not bar:
+        return None
+    total = bar.get("total")
+    if not isinstance(total, (int, float)) or total <= 0:
+        return None
+    n = bar.get("n") or 0
+    return float(max(0.0, min(1.0, n / total))) if isinstance(n, (int, float)) else None
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks that share a host (or the ranks of a whole job): how many are in each state,
+    and the spread of their progress."""
+
+    name: str
+    ranks: tuple[int, ...]
+    starting: int = 0  # pending or starting
+    running: int = 0
+    done: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    silent: tuple[int, ...] = ()  # included in ``running`` / ``starting``
+    failed_ranks: tuple[int, ...] = ()
+    reporting: int = 0  # ranks with a progress bar that has a total
+    slowest: tuple[int, float] | None = None  # (rank, fraction); the lowest rank on ties
+    fastest: tuple[int, float] | None = None
+    median: float | None = None
+
+
+@dataclass(frozen=True)
+class Summary(Group):
+    """A whole job's :class:`Group`, the ranks worth a look first, and its groups by host."""
+
+    outliers: tuple[int, ...] = ()  # running ranks far behind the median, slowest first
+    hosts: tuple[Group, ...] = ()  # by their lowest rank (the order of NODE_RANK)
+    #: Every rank: those still running before those that ended, each by progress then rank.
+    slowest_first: tuple[int, ...] = ()
+
+    @property
+    def attention(self) -> tuple[int, ...]:
+        """Failed, then silent, then outlier ranks: the ones a view shows first."""
+        seen: dict[int, None] = dict.fromkeys(self.failed_ranks)
+        seen.update(dict.fromkeys(self.silent))
+        seen.update(dict.fromkeys(self.outliers))
+        return tuple(seen)
+
+
+class _Seen(NamedTuple):
+    """What the summary needs of one rank, read once per summary."""
+
+    rank: int
+    status: str
+    fraction: float | None
+    silent: bool
+
+
+def _group(name: str, seen: Sequence[_Seen]) -> tuple[Group, dict[int, float]]:
+    counts = collections.Counter(s.status for s in seen)
+    done = {s.rank: s.fraction for s in seen if s.fraction is not None}
+    slowest = fastest = None
+    if done:
+        # Ties go to the lowest rank both ways (``seen`` is in rank order).
+        low = min(done.values())
+        high = max(done.values())
+        slowest = next((r, f) for r, f in done.items() if f == low)
+        fastest = next((r, f) for r, f in done.items() if f == high)
+    group = Group(
+        name=name, ranks=tuple(s.rank for s in seen),
+        starting=counts[PENDING] + counts[STARTING], running=counts[RUNNING],
+        done=counts[DONE], failed=counts[FAILED], cancelled=counts[CANCELLED],
+        silent=tuple(s.rank for s in seen if s.silent),
+        failed_ranks=tuple(s.rank for s in seen if s.status == FAILED),
+        reporting=len(done), slowest=slowest, fastest=fastest,
+        median=statistics.median(done.values()) if done else None,
+    )
+    return group, done
+
+
+def summarize(ranks: Sequence[RankState], now: float) -> Summary:
+    """The job's counts and progress spread, its outliers, and the same per host.
+
+    Pure: what ``ranks`` hold at ``now``. Ranks that have not said where they run yet are
+    grouped under ``"?"``. One pass over the ranks: a panel of 1024 ranks calls this on
+    every render."""
+    seen: list[_Seen] = []
+    by_host: dict[str, list[_Seen]] = {}
+    silent_before = now - SILENT_AFTER_S
+    talking = (STARTING, RUNNING)
+    for r in ranks:
+        frac = None
+        if r.bar is not None:
+            bar = r.progress.get(r.bar)
+            if bar:
+                total, n = bar.get("total"), bar.get("n") or 0
+                if isinstance(total, (int, float)) and total > 0 and isinstance(n, (int, float)):
+                    frac = 0.0 if n <= 0 else 1.0 if n >= total else n / total
+        silent = (r.status in talking and r.last_seen is not None
+                  and r.last_seen <= silent_before)
+        item = _Seen(r.rank, r.status, frac, silent)
+        seen.append(item)
+        host = r.host or "?"
+        members = by_host.get(host)
+        if members is None:
+            by_host[host] = [item]
+        else:
+            members.append(item)
+    whole, fractions = _group("all", seen)
+    ordered = sorted(seen, key=lambda s: (s.status in FINAL, s.fraction or 0.0, s.rank))
+    outliers: tuple[int, ...] = ()
+    if whole.median is not None and len(fractions) >= 3:
+        median = whole.median
+        mad = statistics.median(abs(f - median) for f in fractions.values())
+        behind = max(OUTLIER_BEHIND, OUTLIER_MADS * mad)
+        outliers = tuple(s.rank for s in ordered if s.status in talking
+                         and s.fraction is not None and median - s.fraction > behind)
+    hosts = tuple(_group(host, members)[0] for host, members in by_host.items())
+    return Summary(**{f: getattr(whole, f) for f in Group.__dataclass_fields__},
+                   outliers=outliers, hosts=hosts,
+                   slowest_first=tuple(s.rank for s in ordered))
+
+
+_STATES = frozenset({PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED, "silent", "outliers"})
+
+
+def select_ranks(spec: str, ranks: Sequence[RankState], now: float | None = None) -> list[int]:
+    """The ranks a filter names, in rank order: ``"3"``, ``"8-15"``, a state (``failed``,
+    ``silent``, ``running``, ``outliers``...), ``host=NAME`` (or a host's name alone), or
+    several of these separated by commas or spaces (any of them matches). ``"all"`` or ``""``
+    is every rank.
+
+    Raises ``ValueError`` naming the part of ``spec`` that is not understood."""
+    now = time.time() if now is None else now
+    chosen: set[int] = set()
+    hosts = {r.host for r in ranks if r.host}
+    summary: Summary | None = None
+    np_ = len(ranks)
+    for token in (t for t in re.split(r"[,\s]+", spec.strip()) if t):
+        low = token.lower()
+        if low == "all":
+            chosen.update(range(np_))
+        elif m := re.fullmatch(r"(\d+)(?:-(\d+))?", token):
+            first = int(m.group(1))
+            last = int(m.group(2)) if m.group(2) else first
+            if last < first or last >= np_:
+                raise ValueError(f"ranks {token!r}: this job has ranks 0-{np_ - 1}")
+            chosen.update(range(first, last + 1))
+        elif low in _STATES:
+            if low == "silent":
+                chosen.update(r.rank for r in ranks if r.silent(now))
+            elif low == "outliers":
+                summary = summary or summarize(ranks, now)
+                chosen.update(summary.outliers)
+            else:
+                chosen.update(r.rank for r in ranks if r.status == low)
+        elif token.startswith("host=") or token in hosts:
+            host = token.removeprefix("host=")
+            if host not in hosts:
+                raise ValueError(f"no rank runs on host {host!r} (hosts: {_names(hosts)})")
+            chosen.update(r.rank for r in ranks if r.host == host)
+        else:
+            raise ValueError(
+                f"{token!r} is not a rank, a range (8-15), a state ({', '.join(sorted(_STATES))})"
+                f" or a host ({_names(hosts)})")
+    return sorted(chosen) if spec.strip() else list(range(np_))
+
+
+def _names(items: Iterable[str]) -> str:
+    names = sorted(items)
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") \
+        if names else "none known yet"
 
 
 # -- a job that restarts (--max-restarts, ``nbdist.elastic``) -----------------------------------

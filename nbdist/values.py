@@ -22,6 +22,7 @@ Standard library only (cloudpickle inside :func:`dumps`): the rank side imports 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import hmac
 import io
@@ -40,9 +41,34 @@ class SignatureError(ValueError):
     """The value's signature does not match what arrived: it is not unpickled."""
 
 
+class _Bytes:
+    """A large ``bytes`` value on its way out: pickled out of band (pickle keeps ``bytes`` in
+    the stream, and never asks ``reducer_override`` about them), so that the notebook can
+    receive it straight into the ``bytes`` object it returns (:class:`Receiver`)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return _bytes, (pickle.PickleBuffer(self.data),)
+
+
+def _bytes(buf: Any) -> bytes:
+    """A ``bytes`` value as it left the rank: the buffer itself when it is one (no copy)."""
+    return buf if type(buf) is bytes else bytes(buf)
+
+
+def bytes_segments(segments: list[memoryview]) -> list[int]:
+    """Which of ``dumps``'s segments are ``bytes`` objects (the receiver makes them so)."""
+    return [i for i, seg in enumerate(segments[:-1]) if type(seg.obj) is bytes]
+
+
 def dumps(value: Any) -> list[memoryview]:
     """The value's segments: its large buffers out of band, then the pickle stream."""
     from nbdist._pickling import Pickler as Base
+
+    if type(value) is bytes and len(value) >= OUT_OF_BAND_BYTES:
+        value = _Bytes(value)
 
     torch = sys.modules.get("torch")  # only if the rank's code imported it
     arrays: dict[tuple[int, str], Any] = {}  # a storage's flat array: tensors sharing it share it
@@ -111,16 +137,22 @@ class Receiver:
     kernel cannot hold them.
     """
 
-    def __init__(self, secret: str, cell: int, sizes: object) -> None:
+    def __init__(self, secret: str, cell: int, sizes: object, as_bytes: object = ()) -> None:
         if not isinstance(sizes, list) or not sizes or any(
                 type(s) is not int or s < 0 for s in sizes):
             raise ValueError(f"a value announced with sizes {sizes!r}")
+        if not isinstance(as_bytes, (list, tuple)) or any(
+                type(i) is not int or not 0 <= i < len(sizes) - 1 for i in as_bytes):
+            raise ValueError(f"a value announced with bytes segments {as_bytes!r}")
         self.size = sum(sizes)
         self._mac = signer(secret, cell, sizes)
         # Anonymous maps, not bytearrays: their pages are mapped as the pieces are written,
         # not zeroed in a pass of their own first. An array unpickled out of band lives in one.
-        self._segments: list[bytearray | mmap.mmap] = [
-            mmap.mmap(-1, s) if s else bytearray() for s in sizes]
+        # A ``bytes`` value (``_Bytes``) is received into the bytes object it will be.
+        self._segments: list[bytearray | mmap.mmap | bytes] = [
+            _fresh_bytes(s) if i in as_bytes else mmap.mmap(-1, s) if s else bytearray()
+            for i, s in enumerate(sizes)]
+        self._views = [_writable(seg) for seg in self._segments]
         self._seg = 0  # the segment being filled
         self._pos = 0  # bytes of it filled
         self._got = 0
@@ -133,7 +165,7 @@ class Receiver:
             self._seg, self._pos = self._seg + 1, 0
         if self._seg == len(self._segments) or self._pos + n > len(self._segments[self._seg]):
             return None
-        self._lent = memoryview(self._segments[self._seg])[self._pos:self._pos + n]
+        self._lent = self._views[self._seg][self._pos:self._pos + n]
         return self._lent
 
     def feed(self, piece: bytes | bytearray | memoryview) -> None:
@@ -148,7 +180,7 @@ class Receiver:
             self._pos += view.nbytes
             return
         while view.nbytes:
-            seg = self._segments[self._seg]
+            seg = self._views[self._seg]
             if self._pos == len(seg):
                 self._seg, self._pos = self._seg + 1, 0
                 continue
@@ -169,5 +201,35 @@ class Receiver:
                 mac, self._mac.hexdigest()):
             raise SignatureError("the value's signature did not match; it was not unpickled")
         *buffers, body = self._segments
-        self._segments = []
+        self._segments, self._views = [], []
         return pickle.loads(body, buffers=buffers)
+
+
+#: Where a ``bytes`` object's characters start (CPython: after its header; the +1 of
+#: ``__basicsize__`` is the terminating NUL).
+_BYTES_DATA = bytes.__basicsize__ - 1
+
+
+def _fresh_bytes(size: int) -> bytes:
+    """A new ``bytes`` of ``size`` bytes whose contents are written later, through
+    :func:`_writable`: how a pulled ``bytes`` value costs the kernel its size once, not twice
+    (a copy out of a buffer). Safe because nothing else holds it until it is complete (a
+    ``Receiver`` keeps it to itself until the value is unpickled), and its hash is computed
+    only when first asked for. Its pages are mapped as they are written, as a map's are."""
+    if size < 2:  # CPython shares the empty and one-byte objects
+        return bytes(size)
+    new = ctypes.pythonapi.PyBytes_FromStringAndSize
+    new.restype, new.argtypes = ctypes.py_object, (ctypes.c_char_p, ctypes.c_ssize_t)
+    made = new(None, size)
+    assert type(made) is bytes and len(made) == size
+    return made
+
+
+def _writable(seg: bytearray | mmap.mmap | bytes) -> memoryview:
+    """A writable view of a segment (of a ``bytes`` made by :func:`_fresh_bytes` too)."""
+    if type(seg) is bytes:
+        if len(seg) < 2:
+            return memoryview(bytearray(len(seg)))  # nothing to write into a shared object
+        return memoryview((ctypes.c_char * len(seg)).from_address(id(seg) + _BYTES_DATA)) \
+            .cast("B")
+    return memoryview(seg)

@@ -14,7 +14,7 @@ from typing import Any
 
 import psutil
 
-from nbdist.state import JobState
+from nbdist.state import SILENT_AFTER_S, JobState
 
 #: How long ranks may take to disappear after a job ended (the contract says 10 s).
 GONE_WITHIN_S = 10.0
@@ -101,3 +101,19 @@ def none_left(find: Callable[[], list[psutil.Process]], within: float = GONE_WIT
         except psutil.Error:
             pass
     assert not described, f"{what}: {described}"
+
+
+def cluster_job(np: int = 64, per_host: int = 8) -> JobState:
+    """A running job of ``np`` ranks, ``per_host`` on each of hosts node-0, node-1...: every
+    rank's bar at 50-89 %, rank 5 behind at 1 %, rank 40 failed, rank 50 silent."""
+    job = JobState("j64", "spark", np)
+    for r in range(np):
+        host = f"node-{r // per_host}"
+        job.apply(r, {"t": "hello", "host": host, "gpus": [str(r % per_host)]})
+        job.apply(r, {"t": "state", "state": "starting", "pid": 1000 + r, "host": host})
+        job.apply(r, {"t": "state", "state": "running"})
+        job.apply(r, {"t": "progress", "id": 1, "n": 50 + (r % 40), "total": 100})
+    job.apply(5, {"t": "progress", "id": 1, "n": 1, "total": 100})
+    job.set_rank(40, "failed", 1)
+    job.ranks[50].last_seen = time.time() - SILENT_AFTER_S - 1
+    return job

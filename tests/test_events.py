@@ -246,6 +246,26 @@ def test_a_paced_client_holds_what_follows_a_write(server: events.EventServer) -
     assert rec.events[1][1]["text"] == "second\nthird\n"
 
 
+def test_the_end_of_a_session_cell_goes_at_once_whatever_the_pace(
+    server: events.EventServer,
+) -> None:
+    """Told to write at most every 30 s, a client still sends a session cell's end (and the
+    output held before it) right away: the notebook waits for it."""
+    rec, secret = Recorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    wait_for(lambda: rec.connected, 10, "the hello")
+    assert server.send("j1", 0, {"t": "pace", "every": 30})
+    wait_for(lambda: client._every == 30, 10, "the pace")
+    client.send({"t": "out", "s": "o", "text": "first\n"})
+    wait_for(lambda: rec.events, 10, "the first line, at once")
+    client.send({"t": "out", "s": "o", "text": "printed by the cell\n"})
+    client.send({"t": "cell_result", "cell": 1, "mac": "m", "type": "int"})
+    wait_for(lambda: len(rec.events) == 3, 20, "the cell's end, well before the 30 s pace")
+    assert [e["t"] for _, e in rec.events] == ["out", "out", "cell_result"]
+    client.close()
+
+
 def test_free_port_is_below_the_ephemeral_range() -> None:
     """MASTER_PORT candidates come from outside the range the kernel hands out itself."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:

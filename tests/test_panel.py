@@ -18,7 +18,7 @@ import pytest
 from nbdist import state
 from nbdist.views.widget import LOG_VIEW_LINES, Panel, _Static
 
-from .helpers import out, running_job, wait_for
+from .helpers import cluster_job, out, running_job, wait_for
 
 
 @pytest.fixture
@@ -155,3 +155,35 @@ def test_the_flusher_renders_live_and_ends_with_the_job() -> None:
     assert "nbdist-final-done" in panel.widget._dom_classes
     panel.close()  # a second, explicit close changes nothing
     assert panel.widget._dom_classes.count("nbdist-final-done") == 1
+
+
+def test_a_large_job_groups_every_rank_by_host_closed_and_leads_with_the_ranks_worth_a_look(
+) -> None:
+    """64 ranks on 8 hosts: the rows start with failed, silent and lagging ranks; the host
+    groups start closed, their titles carry states and progress, the final render fills each."""
+    job = cluster_job()
+    panel = Panel(job)
+    assert panel.shown[:4] == [40, 50, 5, 0] and len(panel.shown) == 16
+    assert "slowest rank 5 at 1%" in panel.summary.value
+    assert "behind the rest: 5" in panel.summary.value
+    assert panel.groups.selected_index is None and panel.hosts.selected_index is None
+    assert len(panel.hosts.children) == 8
+    assert panel.hosts.titles[5].startswith("node-5 · ranks 40-47 · 7 running, 1 failed")
+    job.finish(state.FAILED, "rank 40 failed")
+    panel.close()
+    tables = [child.value for child in panel.hosts.children]
+    assert all(t.count("<tr>") == 8 for t in tables)
+    assert "rank 47" in tables[5] and "failed" in tables[5]
+
+
+def test_the_rank_filter_lists_the_ranks_it_names_and_says_what_it_cannot_read() -> None:
+    """Typing in the filter lists the matching ranks; a bad filter shows why, in red."""
+    job = cluster_job()
+    panel = Panel(job)
+    panel.filter.value = "failed, node-7"
+    listed = panel.filtered.value
+    assert listed.count("<tr>") == 9 and "rank 40" in listed and "rank 63" in listed
+    panel.filter.value = "node-99"
+    assert "is not a rank" in panel.filtered.value and "#c62828" in panel.filtered.value
+    panel.filter.value = ""
+    assert panel.filtered.value == ""

@@ -27,7 +27,7 @@ MAKE = {
 }
 #: The kernel's growth allowed, in multiples of the value's size: an array or a tensor is
 #: unpickled onto the buffer it arrived in; bytes cannot be, and need one copy.
-BOUND = {"numpy": 2, "bytes": 3, "torch": 2}
+BOUND = {"numpy": 2, "bytes": 2, "torch": 2}
 
 
 class PeakRss:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nbdist import state
 from nbdist.state import JobState
+
+from .helpers import cluster_job
 
 
 def out(*segs: tuple[str, str], s: str = "o") -> dict[str, object]:
@@ -124,3 +128,48 @@ def test_rank_states_only_move_forward() -> None:
     job.apply(0, {"t": "state", "state": "done", "exit": 0})
     job.apply(0, {"t": "state", "state": "running"})
     assert r.status == state.DONE and r.exit_code == 0
+
+
+def test_the_summary_counts_states_spreads_progress_and_finds_the_ranks_worth_a_look() -> None:
+    """64 ranks: states, the slowest/median/fastest rank, outliers, failed and silent first."""
+    s = cluster_job().summary()
+    assert (s.running, s.failed, s.done, s.starting) == (63, 1, 0, 0)
+    assert s.silent == (50,) and s.failed_ranks == (40,)
+    assert s.slowest == (5, 0.01) and s.fastest == (39, 0.89) and s.reporting == 64
+    assert s.outliers == (5,)  # far behind the median; the failed rank is not "running"
+    assert s.attention == (40, 50, 5)
+    assert [g.name for g in s.hosts] == [f"node-{i}" for i in range(8)]
+    node5 = s.hosts[5]
+    assert node5.ranks == tuple(range(40, 48)) and node5.failed == 1 and node5.running == 7
+    assert s.hosts[0].slowest == (5, 0.01)
+
+
+def test_progress_spread_without_outliers_and_ranks_before_their_hello() -> None:
+    """Ranks close together have no outliers; a rank that has not said hello is on host '?'."""
+    job = JobState("j", "local", 4)
+    for r in range(3):
+        job.apply(r, {"t": "hello", "host": "a"})
+        job.apply(r, {"t": "state", "state": "running"})
+        job.apply(r, {"t": "progress", "id": 1, "n": 40 + r, "total": 100})
+    s = job.summary()
+    assert s.outliers == () and s.median == 0.41 and s.starting == 1
+    assert [(g.name, g.ranks) for g in s.hosts] == [("a", (0, 1, 2)), ("?", (3,))]
+    assert state.fraction({"n": 3, "total": None}) is None
+
+
+def test_a_rank_filter_takes_ranks_ranges_states_and_hosts_and_names_what_it_cannot() -> None:
+    """``select_ranks``: '3', '8-10', 'failed', 'silent', 'outliers', 'host=node-2' or
+    'node-2', 'all'; a bad part raises an error that lists what would work."""
+    job = cluster_job()
+    assert state.select_ranks("3, 8-10", job.ranks) == [3, 8, 9, 10]
+    assert state.select_ranks("failed silent outliers", job.ranks) == [5, 40, 50]
+    assert state.select_ranks("host=node-2", job.ranks) == list(range(16, 24))
+    assert state.select_ranks("node-7,0", job.ranks) == [0, *range(56, 64)]
+    assert state.select_ranks("all", job.ranks) == state.select_ranks("", job.ranks) \
+        == list(range(64))
+    assert state.select_ranks("done", job.ranks) == []
+    for spec, words in [("64", "ranks 0-63"), ("9-3", "ranks 0-63"),
+                        ("host=node-9", "no rank runs on host 'node-9'"),
+                        ("nodes", "'nodes' is not a rank, a range")]:
+        with pytest.raises(ValueError, match=words):
+            state.select_ranks(spec, job.ranks)

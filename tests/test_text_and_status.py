@@ -7,12 +7,14 @@ import io
 import time
 from typing import Any
 
+import pytest
+
 from nbdist import state
 from nbdist.views import status
 from nbdist.views.text import TextView
 from nbdist.views.widget import Panel
 
-from .helpers import out, running_job
+from .helpers import cluster_job, out, running_job
 
 
 def test_text_view_prints_lines_progress_and_a_summary() -> None:
@@ -119,3 +121,47 @@ def test_silent_ranks_show_in_the_panel_the_text_view_and_status() -> None:
     assert "silent" not in panel.rows[1].label.value
     assert "[rank 1] heard from again" in buf.getvalue()
     assert "silent" not in repr(status.RanksReport(job))
+
+
+def test_status_of_a_large_job_is_a_summary_hosts_and_the_ranks_worth_a_look() -> None:
+    """``%dist_status JOB`` of 64 ranks: a summary line, a row per host and 4 ranks, not a wall
+    of 64 rows; ``--ranks`` lists the ranks it names (all of them with ``all``)."""
+    job = cluster_job()
+    text = status.ranks_table(job)
+    assert "64 ranks on 8 hosts: 63 running, 1 failed (1 silent)" in text
+    assert "node-7  56-63" in text and "--ranks all" in text
+    listed = [line.split()[0] for line in text.split("ranks worth a look:")[1].splitlines()[2:]
+              if line.split() and line.split()[0].isdigit()]
+    assert listed == ["40", "50", "5", "0"]
+    assert len(text.splitlines()) < 25
+    every = status.ranks_table(job, "all")
+    assert all(f"\n{r} " in every for r in range(64))
+    assert status.ranks_table(job, "host=node-1").count("node-1 ") == 8
+    html_report = status.RanksReport(job)._repr_html_()
+    assert "ranks worth a look" in html_report and html_report.count("<tr>") == 1 + 8 + 1 + 4
+    with pytest.raises(ValueError, match="is not a rank"):
+        status.RanksReport(job, "bogus")
+
+
+def test_what_a_large_job_leaves_in_the_notebook_does_not_grow_with_its_ranks() -> None:
+    """From 64 to 256 ranks the static summary grows by a row per host (24 more), not per rank,
+    and lists no more ranks one by one."""
+    sizes = {}
+    for np in (64, 256):
+        job = cluster_job(np)
+        job.finish(state.FAILED, "rank 40 failed")
+        sizes[np] = len(status.summary_html(job)) + len(status.summary_text(job))
+    assert (sizes[256] - sizes[64]) / 24 < 400, sizes
+
+
+def test_the_text_view_of_a_large_job_prints_a_summary_line_not_a_line_per_rank() -> None:
+    """64 ranks: one summary line and one line for the ranks that fall silent, as ranges."""
+    job = cluster_job()
+    buf = io.StringIO()
+    view = TextView(job, buf)
+    view.update()
+    text = buf.getvalue()
+    assert text.count("[nbdist] 64 ranks on 8 hosts") == 1
+    assert "silent since now: ranks 50" in text
+    assert "[rank" not in text  # no status line per rank
+    view.close()

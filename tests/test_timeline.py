@@ -133,12 +133,15 @@ def test_sampler_counts_the_cpu_and_memory_of_the_whole_process_tree() -> None:
 
 @pytest.mark.timeout(10)
 def test_status_options_are_parsed_with_errors_that_name_the_fix(tmp_path: Path) -> None:
-    """``%dist_status`` takes a job, ``--timeline`` and ``--trace PATH``; bad ones say why."""
-    assert parse_status("") == (None, False, None)
+    """``%dist_status`` takes a job, ``--timeline``, ``--trace PATH`` and ``--ranks SPEC``; bad
+    ones say why."""
+    assert parse_status("") == (None, False, None, None)
     assert parse_status(f"j3 --timeline --trace {tmp_path}/t.json") == (
-        "j3", True, f"{tmp_path}/t.json")
-    assert parse_status("--trace=x.json j3") == ("j3", False, "x.json")
+        "j3", True, f"{tmp_path}/t.json", None)
+    assert parse_status("--trace=x.json j3") == ("j3", False, "x.json", None)
+    assert parse_status("j3 --ranks 8-15,failed") == ("j3", False, None, "8-15,failed")
     for line, words in [("j1 --trace", "takes the path"), ("--timeline", "need a job"),
+                        ("j1 --ranks", "takes the ranks"), ("--ranks all", "need a job"),
                         ("j1 --gantt", "unknown option '--gantt'"), ("j1 j2", "one job"),
                         (f"j1 --trace {tmp_path}/no/t.json", "no folder")]:
         with pytest.raises(UsageError, match=words):

@@ -166,7 +166,9 @@ class SessionCells:
         self._output_sent()
         sizes = [int(s) for s in event.get("sizes") or ()]
         self._signer = values.signer(self._secret, self._cell or 0, sizes)
-        self._send({"t": "cell_value", "cell": self._cell, "sizes": sizes, "type": result_type})
+        as_bytes = [int(i) for i in event.get("bytes") or ()]  # received as bytes objects
+        self._send({"t": "cell_value", "cell": self._cell, "sizes": sizes, "type": result_type,
+                    "bytes": as_bytes})
 
     def piece(self, piece: bytes) -> None:
         if self._signer is not None:

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from nbdist.channel import (
     MAX_HELLO_BYTES,
+    PROMPT,
     PROTOCOL_VERSION,
     SEND_EVERY_S,
     Event,
@@ -89,6 +90,7 @@ class EventClient:
         self._pending: list[Event] = []
         self._pending_bytes = 0
         self._urgent = False  # something in _pending must go without waiting LAZY_S
+        self._prompt = False  # something in _pending goes now, whatever the pace (PROMPT)
         self._since = 0.0  # when the oldest pending event was queued
         self._closing = False
         self._every = SEND_EVERY_S  # the server may ask for a longer interval (``pace``)
@@ -131,6 +133,7 @@ class EventClient:
                 if kind != "out" or not _append_output(self._pending, event):
                     self._pending.append(event)
                 self._urgent = True
+                self._prompt = self._prompt or kind in PROMPT
             self._pending_bytes += size
             self._cond.notify_all()
         return True
@@ -145,6 +148,8 @@ class EventClient:
                         due = now
                     elif not self._pending:
                         due = None
+                    elif self._prompt:
+                        due = now
                     else:
                         due = max(last + self._every,
                                   now if self._urgent else self._since + LAZY_S)
@@ -152,7 +157,7 @@ class EventClient:
                         break
                     self._cond.wait(None if due is None else due - now)
                 batch, self._pending = self._pending, []
-                self._pending_bytes, self._urgent = 0, False
+                self._pending_bytes, self._urgent, self._prompt = 0, False, False
                 self._cond.notify_all()
                 if not batch:
                     return  # closing, everything sent

@@ -621,7 +621,8 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
             kind = type(value)
             name = f"{kind.__module__}.{kind.__qualname__}"
             if payload.get("session"):
-                chan.event({"t": "result", "type": name, "sizes": [s.nbytes for s in segments]})
+                chan.event({"t": "result", "type": name, "sizes": [s.nbytes for s in segments],
+                            "bytes": values.bytes_segments(segments)})
                 for seg in segments:
                     for start in range(0, seg.nbytes, values.CHUNK):
                         chan.send(Frame.PIECE, seg[start:start + values.CHUNK])

@@ -7,7 +7,6 @@ Each report renders as plain text (terminal IPython, ``print``) and as HTML (not
 from __future__ import annotations
 
 import html
-import statistics
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -23,8 +22,11 @@ from nbdist.state import (
     SILENT_AFTER_S,
     STARTING,
     ElasticState,
+    Group,
     JobState,
     RankState,
+    Summary,
+    select_ranks,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +42,9 @@ SILENT = "silent"
 SILENT_COLOR = "#8e24aa"
 #: Rows of a static summary or a ranks report before the rest is summed up in one line.
 MAX_TABLE_ROWS = 64
+#: Above this many ranks, reports lead with a summary line and a row per host, and list only
+#: the ranks worth a look (failed, silent, outliers, rank 0), up to this many rows.
+GROUP_ABOVE = 16
 #: Lines of output (all ranks, merged) kept in the static summary of a finished job.
 SUMMARY_LOG_LINES = 200
 LAST_LINE_CHARS = 60
@@ -134,22 +139,84 @@ def _ranks(ranks: Sequence[int]) -> str:
     return shown + (f" and {len(ranks) - 20} more" if len(ranks) > 20 else "")
 
 
-def collapsed_summary(job: JobState) -> str:
-    """One line for a job with too many ranks to show each: states and progress spread."""
-    fractions = []
-    for r in job.ranks:
-        bar = r.current_bar
-        if bar and isinstance(bar.get("total"), (int, float)) and bar["total"]:
-            fractions.append(min(1.0, (bar.get("n") or 0) / bar["total"]))
-    text = f"{job.np} ranks: {_counts(job)}"
-    if fractions:
-        text += (f" · progress min {min(fractions):.0%}, median "
-                 f"{statistics.median(fractions):.0%}, max {max(fractions):.0%} "
-                 f"({len(fractions)} ranks reporting)")
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """``0-7, 9, 12-15``: ranks in order, runs as ranges."""
+    parts: list[tuple[int, int]] = []
+    for r in sorted(ranks):
+        if parts and parts[-1][1] == r - 1:
+            parts[-1] = (parts[-1][0], r)
+        else:
+            parts.append((r, r))
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def group_states(g: Group) -> str:
+    """``6 running, 1 done, 1 failed (1 silent)``."""
+    counts = ((g.starting, "starting"), (g.running, RUNNING), (g.done, DONE),
+              (g.failed, FAILED), (g.cancelled, CANCELLED))
+    text = ", ".join(f"{n} {word}" for n, word in counts if n)
+    return text + (f" ({len(g.silent)} {SILENT})" if g.silent else "")
+
+
+def group_progress(g: Group) -> str:
+    """``slowest rank 5 at 12%, median 70%, fastest rank 33 at 91%`` ("" without bars)."""
+    if g.slowest is None or g.fastest is None or g.median is None:
+        return ""
+    if len(g.ranks) == 1:
+        return f"{g.slowest[1]:.0%}"
+    return (f"slowest rank {g.slowest[0]} at {g.slowest[1]:.0%}, median {g.median:.0%}, "
+            f"fastest rank {g.fastest[0]} at {g.fastest[1]:.0%}")
+
+
+def summary_line(s: Summary) -> str:
+    """One line for many ranks: states, the progress spread, the ranks worth a look."""
+    text = f"{len(s.ranks)} ranks on {len(s.hosts)} hosts: {group_states(s)}"
+    progress = group_progress(s)
+    if progress:
+        text += f" · {progress}"
+        if s.reporting < len(s.ranks):
+            text += f" ({s.reporting} ranks report progress)"
+    if s.failed_ranks:
+        text += f" · failed: {_ranks(list(s.failed_ranks))}"
+    if s.silent:
+        text += f" · {SILENT}: {_ranks(list(s.silent))}"
+    if s.outliers:
+        text += f" · behind the rest: {_ranks(list(s.outliers))}"
+    return text
+
+
+class HostRow(NamedTuple):
+    """One host's row in the reports of a large job."""
+
+    host: str
+    ranks: str
+    states: str
+    progress: str
+
+
+_HOST_COLUMNS = ("host", "ranks", "states", "progress")
+
+
+def host_rows(s: Summary) -> list[HostRow]:
+    """A row per host: its ranks, their states and the spread of their progress."""
+    return [HostRow(g.name, rank_ranges(g.ranks), group_states(g), group_progress(g))
+            for g in s.hosts]
+
+
+def worth_a_look(s: Summary, limit: int) -> list[int]:
+    """Up to ``limit`` ranks to list one by one: failed, silent, outliers, rank 0, then the
+    slowest of the rest (rank order for ranks without a bar)."""
+    chosen = dict.fromkeys([*s.attention, 0])
+    return list(chosen)[:limit]
+
+
+def collapsed_summary(job: JobState, s: Summary | None = None) -> str:
+    """The panel's summary of a job with too many ranks to show each (HTML)."""
+    s = job.summary() if s is None else s
     lines = sum(r.lines for r in job.ranks)
-    text += f" · {lines} lines of output"
-    return html.escape(text) + "<br><span style='color:#777'>rows below: rank 0, failed ranks, " \
-        "then the slowest ranks</span>"
+    return (html.escape(f"{summary_line(s)} · {lines} lines of output")
+            + "<br><span style='color:#777'>rows below: failed, silent and lagging ranks, "
+            "rank 0, then the slowest; every rank by host further down</span>")
 
 
 # -- tables ---------------------------------------------------------------------------------------
@@ -266,9 +333,16 @@ def resources_text(r: RankState) -> str:
     return r.resources.text()
 
 
-def _rank_rows(job: JobState) -> tuple[list[RankRow], int]:
-    rows = [_rank_row(r) for r in job.ranks[:MAX_TABLE_ROWS]]
-    return rows, max(0, job.np - MAX_TABLE_ROWS)
+def _rank_rows(job: JobState, ranks: Sequence[int] | None = None,
+               limit: int | None = MAX_TABLE_ROWS) -> tuple[list[RankRow], int]:
+    """Rows of ``ranks`` (default: all) up to ``limit`` (None: no limit), and how many more."""
+    chosen = list(range(job.np)) if ranks is None else list(ranks)
+    shown = chosen if limit is None else chosen[:limit]
+    return [_rank_row(job.ranks[r]) for r in shown], len(chosen) - len(shown)
+
+
+def _grouped(job: JobState) -> bool:
+    return job.np > GROUP_ABOVE
 
 
 def _job_head(job: JobState) -> str:
@@ -313,22 +387,36 @@ def start_lines(job: JobState, forked: bool = False) -> list[str]:
     return lines
 
 
-def _ranks_block(job: JobState, head: str) -> str:
-    """``head``, the reason the job ended (if any), the table of its ranks, and why they did
-    not start from a zygote (if they did not)."""
+def _ranks_block(job: JobState, head: str, ranks: str | None = None) -> str:
+    """``head``, the reason the job ended (if any), and the table of its ranks: every rank
+    of a small job; of a large one a summary line, a row per host and the ranks worth a look;
+    the ranks ``ranks`` names (``state.select_ranks``) when given."""
     if job.reason:
         head += f"\n{job.reason.splitlines()[0]}"
-    rows, more = _rank_rows(job)
-    table = text_table(_RANK_COLUMNS, rows)
-    if more:
-        table += f"\n... and {more} more ranks ({_counts(job)})"
     notes = [*start_lines(job), silent_note(job)]
+    with job.lock:
+        if ranks is not None:
+            chosen = select_ranks(ranks, job.ranks)
+            rows, more = _rank_rows(job, chosen, None)
+            table = text_table(_RANK_COLUMNS, rows) if rows else f"no rank matches {ranks!r}"
+        elif _grouped(job):
+            s = job.summary()
+            rows, more = _rank_rows(job, worth_a_look(s, GROUP_ABOVE), None)
+            table = (f"{summary_line(s)}\n{text_table(_HOST_COLUMNS, host_rows(s))}\n"
+                     f"ranks worth a look:\n{text_table(_RANK_COLUMNS, rows)}\n"
+                     f"(%dist_status {job.id} --ranks all lists every rank; or --ranks 8-15, "
+                     f"failed, silent, outliers, host=NAME)")
+        else:
+            rows, more = _rank_rows(job)
+            table = text_table(_RANK_COLUMNS, rows)
+            if more:
+                table += f"\n... and {more} more ranks ({_counts(job)})"
     return head + "\n" + table + "".join(f"\n{note}" for note in notes if note)
 
 
-def ranks_table(job: JobState) -> str:
+def ranks_table(job: JobState, ranks: str | None = None) -> str:
     attempts = attempts_table(job)
-    return _ranks_block(job, _job_head(job)) + (f"\n{attempts}" if attempts else "")
+    return _ranks_block(job, _job_head(job), ranks) + (f"\n{attempts}" if attempts else "")
 
 
 def _attempt_rows(job: JobState) -> list[tuple[str, ...]]:
@@ -371,12 +459,25 @@ def summary_text(job: JobState) -> str:
 
 
 def summary_html(job: JobState) -> str:
-    """The same as :func:`summary_text` as HTML, for the notebook once the job ended."""
-    rows, more = _rank_rows(job)
+    """The same as :func:`summary_text` as HTML, for the notebook once the job ended.
+
+    A large job keeps its summary line, a row per host and the ranks worth a look, so that
+    the notebook file stays small whatever the number of ranks."""
+    with job.lock:
+        if _grouped(job):
+            s = job.summary()
+            rows, more = _rank_rows(job, worth_a_look(s, GROUP_ABOVE), None)
+            more = job.np - len(rows)
+            hosts = (f"<div>{html.escape(summary_line(s))}</div>"
+                     + html_table(_HOST_COLUMNS, HostRow._fields, host_rows(s)))
+        else:
+            rows, more = _rank_rows(job)
+            hosts = ""
     rows = [row._replace(state=_badge(row.state)) for row in rows]
-    table = html_table(_RANK_COLUMNS, RankRow._fields, rows, raw=frozenset({"state"}))
+    table = hosts + html_table(_RANK_COLUMNS, RankRow._fields, rows, raw=frozenset({"state"}))
     if more:
-        table += f"<div>… and {more} more ranks</div>"
+        table += f"<div>… and {more} more ranks (%dist_status {html.escape(job.id)} " \
+                 f"--ranks all lists them)</div>"
     lines, skipped = _log_tail(job)
     note = f"last {len(lines)} of {len(lines) + skipped} lines" if skipped else \
         f"{len(lines)} lines"
@@ -443,22 +544,41 @@ class JobsReport(Report):
 
 
 class RanksReport(Report):
-    """``%dist_status JOB``: one job's ranks (state, host, pid, GPU, exit code, last lines)."""
+    """``%dist_status JOB``: one job's ranks (state, host, pid, GPU, exit code, last lines).
 
-    def __init__(self, job: JobState) -> None:
+    ``ranks``: a filter (``state.select_ranks``: ``"8-15"``, ``"failed"``, ``"all"``...) to
+    list those ranks; without one, a large job shows a summary, its hosts and the ranks worth
+    a look. A filter that does not parse raises ``ValueError`` here, before anything shows."""
+
+    def __init__(self, job: JobState, ranks: str | None = None) -> None:
         self.job = job
+        self.ranks = ranks
+        if ranks is not None:
+            select_ranks(ranks, job.ranks)
 
     def _text(self) -> str:
-        return ranks_table(self.job)
+        return ranks_table(self.job, self.ranks)
 
     def _repr_html_(self) -> str:
         job = self.job
+        hosts = ""
         with job.lock:
-            rows, more = _rank_rows(job)
+            if self.ranks is not None:
+                rows, more = _rank_rows(job, select_ranks(self.ranks, job.ranks), None)
+            elif _grouped(job):
+                s = job.summary()
+                rows, _ = _rank_rows(job, worth_a_look(s, GROUP_ABOVE), None)
+                more = job.np - len(rows)
+                hosts = (f"<div>{html.escape(summary_line(s))}</div>"
+                         + html_table(_HOST_COLUMNS, HostRow._fields, host_rows(s))
+                         + "<div>ranks worth a look:</div>")
+            else:
+                rows, more = _rank_rows(job)
             # The last lines, and the line being redrawn (a bar the rank draws) after them.
-            tails = {r.rank: ([ln.text for ln in list(r.log)[-5:]]
-                              + ([r.status_line] if r.status_line else []))[-5:]
-                     for r in job.ranks[:len(rows)]}
+            tails = {row.rank: ([ln.text for ln in list(job.ranks[row.rank].log)[-5:]]
+                                + ([job.ranks[row.rank].status_line]
+                                   if job.ranks[row.rank].status_line else []))[-5:]
+                     for row in rows}
         rows = [
             row._replace(
                 state=_badge(row.state),
@@ -467,9 +587,11 @@ class RanksReport(Report):
             )
             for row in rows
         ]
-        table = html_table((*_RANK_COLUMNS[:-1], "last lines"), RankRow._fields, rows,
-                            raw=frozenset({"state", "last_line"}))
-        more_html = f"<div>… and {more} more ranks</div>" if more else ""
+        table = hosts + html_table((*_RANK_COLUMNS[:-1], "last lines"), RankRow._fields, rows,
+                                    raw=frozenset({"state", "last_line"}))
+        more_html = (f"<div>… and {more} more ranks (%dist_status {html.escape(job.id)} --ranks "
+                     f"all lists them; or --ranks 8-15, failed, silent, host=NAME)</div>"
+                     if more else "")
         note = silent_note(job)
         note_html = "".join(f"<div>{html.escape(line)}</div>" for line in start_lines(job))
         note_html += f"<div style='color:{SILENT_COLOR}'>{html.escape(note)}</div>" if note else ""

@@ -22,6 +22,9 @@ from nbdist.views._background import BackgroundRenderer
 STATUS_EVERY_S = 2.0
 #: Updates per second when the view runs on its own thread.
 RATE_HZ = 10.0
+#: A job of more than ``status.GROUP_ABOVE`` ranks prints one summary line (states, progress
+#: spread, the ranks worth a look) at most this often, instead of a line per rank.
+SUMMARY_EVERY_S = 10.0
 
 
 class TextView(BackgroundRenderer):
@@ -46,6 +49,8 @@ class TextView(BackgroundRenderer):
         self._silent: set[int] = set()
         self._note = ""
         self._note_at = 0.0
+        self._summary = ""
+        self._summary_at = 0.0
         self._width = len(str(max(job.np - 1, 0)))
         self._lock = threading.Lock()
         self._closed = False
@@ -76,6 +81,8 @@ class TextView(BackgroundRenderer):
             out.write(f"[nbdist] {note}\n")
             self._note, self._note_at = note, now
             wrote = True
+        if self.job.np > status.GROUP_ABOVE:
+            return self._update_many(out, now, wrote, final)
         with self.job.lock:
             states = [(r.rank, _status_of(r)) for r in self.job.ranks]
         for rank, text in states:
@@ -94,6 +101,29 @@ class TextView(BackgroundRenderer):
             else:
                 what = "heard from again"
             out.write(f"[rank {rank:>{self._width}}] {what}\n")
+            wrote = True
+        self._silent = silent
+        if wrote:
+            out.flush()
+
+    def _update_many(self, out: TextIO, now: float, wrote: bool, final: bool) -> None:
+        """A large job: one summary line when it changed (at most every ``SUMMARY_EVERY_S``),
+        and the ranks that fall silent or are heard from again, as ranges, in one line each."""
+        summary = self.job.summary()
+        line = status.summary_line(summary)
+        if line != self._summary and (final or now - self._summary_at >= SUMMARY_EVERY_S):
+            out.write(f"[nbdist] {line}\n")
+            self._summary, self._summary_at = line, now
+            wrote = True
+        silent = set(summary.silent)
+        gone = [r for r in self._silent - silent if self.job.ranks[r].status not in FINAL]
+        if silent - self._silent:
+            out.write(f"[nbdist] {status.SILENT} since now: ranks "
+                      f"{status.rank_ranges(sorted(silent - self._silent))} (no heartbeat from "
+                      f"their supervisors)\n")
+            wrote = True
+        if gone:
+            out.write(f"[nbdist] heard from again: ranks {status.rank_ranges(gone)}\n")
             wrote = True
         self._silent = silent
         if wrote:

@@ -24,13 +24,24 @@ Importing this module imports ipywidgets; the magics import it only when a panel
 from __future__ import annotations
 
 import html
+import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as w
 
-from nbdist.state import CANCELLED, DONE, FAILED, FINAL, JobState, RankState
+from nbdist.state import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINAL,
+    JobState,
+    RankState,
+    Summary,
+    select_ranks,
+)
 from nbdist.views import charts, status
 from nbdist.views._background import BackgroundRenderer
 
@@ -43,8 +54,21 @@ RATE_HZ = 10.0
 #: next one (16 busy ranks change ~40 widgets per tick). JupyterLab starts dropping messages
 #: somewhere above 300 per second.
 MESSAGES_PER_S = 200.0
-#: Above this many ranks, rows collapse into a summary plus the ranks worth looking at.
+#: Share of a core the panel's renders may take: after a render that took ``t`` of CPU, the
+#: next waits at least ``t / RENDER_SHARE``. Renders of a few ranks take well under a
+#: millisecond (so ``RATE_HZ`` decides); a render of 1024 ranks several milliseconds, so such
+#: a panel updates about once a second and the driver stays near 2 % of a core.
+RENDER_SHARE = 0.01
+#: ... but never waits longer than this (a first render that builds many widgets costs more).
+MAX_RENDER_WAIT_S = 1.0
+#: Above this many ranks, rows collapse into a summary plus the ranks worth looking at, and
+#: every rank is listed by host in groups that start closed.
 MAX_ROWS = 16
+#: Host groups of a collapsed panel re-rendered per tick besides the one open (in turn: the
+#: titles, which carry each host's states and progress, are rendered on every tick).
+HOST_GROUPS_PER_TICK = 2
+#: Ranks a filter lists at most.
+FILTER_ROWS = 64
 #: Lines shown in a log pane (the state keeps more; ``%dist_status JOB`` shows the tail).
 LOG_VIEW_LINES = 200
 #: Characters of a rank's last line shown in its row.
@@ -215,6 +239,23 @@ class Panel(BackgroundRenderer):
         if self.collapsed:
             children.append(self.summary)
         children += [r.box for r in self.rows]
+        # A large job: every rank, by host, in groups that start closed (the browser opens
+        # them without the kernel), and a filter that lists the ranks it names.
+        self.host_names: list[str] = []
+        self._host_turn = 0
+        if self.collapsed:  # (a small job's panel opens no widget it does not show)
+            self.hosts = w.Accordion(children=[], selected_index=None,
+                                     _dom_classes=("nbdist-hosts",))
+            self.filter = w.Text(value="", description="ranks", continuous_update=False,
+                                 placeholder="8-15, failed, silent, outliers, host=NAME",
+                                 _dom_classes=("nbdist-filter",))
+            self.filtered = w.HTML(_dom_classes=("nbdist-filtered",))
+            self.filter.observe(self._filtered, names="value")
+            self.groups = w.Accordion(
+                children=[w.VBox([self.filter, self.filtered, self.hosts])],
+                titles=("every rank, by host",), selected_index=None,
+                _dom_classes=("nbdist-groups",))
+            children.append(self.groups)
         self.charts = charts.ChartsView(job.series)  # paced on its own (views/charts.py)
         children += [self.charts.widget, self.logs]
         self.widget = _PanelBox(children, _dom_classes=("nbdist-panel", f"nbdist-job-{job.id}"))
@@ -240,10 +281,13 @@ class Panel(BackgroundRenderer):
     def _loop(self) -> None:
         interval = 1.0 / RATE_HZ
         while not self._stop.is_set():
+            cpu = time.thread_time()
             sent = self.render()
+            cpu = time.thread_time() - cpu
             if self.job.status in FINAL and self.job.ended is not None:
                 break
-            self._stop.wait(max(interval, sent / MESSAGES_PER_S))
+            self._stop.wait(max(interval, sent / MESSAGES_PER_S,
+                                min(MAX_RENDER_WAIT_S, cpu / RENDER_SHARE)))
         self._finish()
 
     # -- rendering ----------------------------------------------------------------------------
@@ -275,10 +319,15 @@ class Panel(BackgroundRenderer):
             self.renders += 1
             sent = self._render_header()
             if self.collapsed:
-                sent += _set(self.summary, value=status.collapsed_summary(job))
-                self.shown = _worth_showing(job, len(self.rows))
+                summary = job.summary()
+                sent += _set(self.summary, value=status.collapsed_summary(job, summary))
+                self.shown = _worth_showing(summary, len(self.rows))
             for row, rank in zip(self.rows, self.shown, strict=False):
                 sent += row.show(job.ranks[rank])
+            if self.collapsed:
+                sent += self._render_hosts(summary, final)
+                if self.filter.value:
+                    sent += _set(self.filtered, value=self._filter_html(self.filter.value))
             sent += self.charts.render(final=final)
             sent += self._render_logs(final)
         if final:
@@ -319,19 +368,73 @@ class Panel(BackgroundRenderer):
         with self._lock, self.job.lock:
             self.panes[0].value = self._pane_html(int(change["new"]))
 
+    def _render_hosts(self, summary: Summary, final: bool) -> int:
+        """The host groups: every title each tick (one message), the tables in turn."""
+        sent = 0
+        names = [g.name for g in summary.hosts]
+        if names != self.host_names:  # hosts come in with the ranks' hellos
+            self.host_names = names
+            self.hosts.children = [w.HTML(_dom_classes=("nbdist-host",)) for _ in names]
+            sent += 1
+        titles = tuple(f"{g.name} · ranks {status.rank_ranges(g.ranks)} · "
+                       f"{status.group_states(g)}"
+                       + (f" · {p}" if (p := status.group_progress(g)) else "")
+                       for g in summary.hosts)
+        sent += _set(self.hosts, titles=titles)
+        count = len(names)
+        if not count:
+            return sent
+        due = set(range(count)) if final else {
+            (self._host_turn + i) % count for i in range(HOST_GROUPS_PER_TICK)}
+        if not final and self.hosts.selected_index is not None:
+            due.add(self.hosts.selected_index)
+        self._host_turn += HOST_GROUPS_PER_TICK
+        for i in sorted(due):
+            if i < count:
+                sent += _set(self.hosts.children[i],
+                             value=_ranks_html(self.job, summary.hosts[i].ranks))
+        return sent
 
-def _worth_showing(job: JobState, slots: int) -> list[int]:
-    """Ranks to give the rows of a collapsed panel: rank 0, failures, silent ranks, then
-    the slowest."""
-    chosen = [0]
-    chosen += [r.rank for r in job.ranks if r.status == FAILED and r.rank != 0]
-    chosen += [rank for rank in job.silent_ranks() if rank not in chosen]
-    rest = sorted(
-        (r for r in job.ranks if r.rank not in chosen),
-        key=lambda r: (r.status in FINAL, _fraction(r.current_bar), r.rank),
-    )
-    chosen += [r.rank for r in rest]
-    return sorted(chosen[:slots])
+    def _filter_html(self, spec: str) -> str:
+        try:
+            ranks = select_ranks(spec, self.job.ranks)
+        except ValueError as exc:
+            return f"<span style='color:#c62828'>{html.escape(str(exc))}</span>"
+        if not ranks:
+            return f"<span class='nbdist-muted'>no rank matches {html.escape(spec)!r}</span>"
+        more = len(ranks) - FILTER_ROWS
+        tail = f"<div class='nbdist-muted'>… and {more} more</div>" if more > 0 else ""
+        return _ranks_html(self.job, ranks[:FILTER_ROWS]) + tail
+
+    def _filtered(self, change: dict[str, Any]) -> None:
+        with self._lock, self.job.lock:
+            self.filtered.value = self._filter_html(str(change["new"])) if change["new"] else ""
+
+
+def _ranks_html(job: JobState, ranks: Sequence[int]) -> str:
+    """A compact table of ranks: state, progress, metrics, last line (a host group, a filter)."""
+    rows = []
+    for rank in ranks:
+        r = job.ranks[rank]
+        bar = r.current_bar
+        last = r.status_line or r.last_line
+        if len(last) > status.LAST_LINE_CHARS:
+            last = last[:status.LAST_LINE_CHARS] + "…"
+        rows.append(
+            f"<tr><td>rank {rank}</td><td>{_badge(status.rank_state(r))}</td>"
+            f"<td>{status.progress_text(bar) if bar else ''}</td>"
+            f"<td>{status.metrics_text(r.metrics) if r.metrics else ''}</td>"
+            f"<td class='nbdist-muted'>{html.escape(last)}</td></tr>")
+    return f"<table class='nbdist-ranks'>{''.join(rows)}</table>"
+
+
+def _worth_showing(summary: Summary, slots: int) -> list[int]:
+    """Ranks to give the rows of a collapsed panel, in this order: failed, silent and lagging
+    ranks, rank 0, then the slowest of the rest (running before ended ones)."""
+    chosen = status.worth_a_look(summary, slots)
+    picked = set(chosen)
+    rest = (rank for rank in summary.slowest_first if rank not in picked)
+    return [*chosen, *itertools.islice(rest, max(0, slots - len(chosen)))]
 
 
 class _PanelBox(w.VBox):  # type: ignore[misc]  # ipywidgets is untyped

@@ -177,3 +177,146 @@ def test_each_rank_bar_advances_in_the_page_before_the_cell_ends(
         live = sorted({s["width"] for s in samples if s["rank"] == rank and s["running"]})
         assert len([x for x in live if 0 < x < 100]) >= 2, (rank, live)
     assert "'rank 0 finished'" in output and "done" in output
+
+
+# -- many ranks: simulated states fed to real panels in a real page ------------------------------
+_SIMULATE = """import threading, time
+from nbdist.state import JobState
+from nbdist.views.widget import Panel
+
+def simulate(np, gate, ticks=40):
+    # A job of np ranks, 8 to a host, fed as ranks feed it: bars, lines, a failed rank.
+    job = JobState(f"sim{np}", "spark", np)
+    for r in range(np):
+        host = f"node-{r // 8}"
+        job.apply(r, {"t": "hello", "host": host, "gpus": [str(r % 8)]})
+        job.apply(r, {"t": "state", "state": "starting", "pid": 1000 + r, "host": host})
+        job.apply(r, {"t": "state", "state": "running"})
+    panel = Panel(job)
+    panel.show()
+    panel.start()
+    def feed():
+        for tick in range(1, ticks + 1):
+            for r in range(np):
+                n = 1 if r == 5 else min(100, 2 * tick + r % 7)
+                job.apply(r, {"t": "progress", "id": 1, "n": n, "total": 100, "desc": "train"})
+                job.apply(r, {"t": "out", "s": "o", "text": f"step {tick} rank {r}\\n"})
+            if tick == 3:
+                job.set_rank(40, "failed", 1)
+            time.sleep(0.05)
+        while not os.path.exists(gate):
+            time.sleep(0.05)
+        for r in range(np):
+            job.set_rank(r, "done", 0)
+        job.finish("failed", "rank 40 failed")
+    threading.Thread(target=feed, daemon=True).start()
+    return panel
+"""
+
+#: Samples the page while the panels update: DOM nodes under each panel, mutation batches
+#: (updates applied), and the gaps between animation frames (what a user feels as jank).
+_SAMPLER = """() => {
+  const s = window.__scale = {frames: [], updates: 0, running: true};
+  let last = performance.now();
+  const frame = (now) => { s.frames.push(now - last); last = now;
+                           if (s.running) requestAnimationFrame(frame); };
+  requestAnimationFrame(frame);
+  new MutationObserver(() => { s.updates += 1; }).observe(document.body,
+    {subtree: true, attributes: true, childList: true, characterData: true});
+}"""
+
+
+def _scale_notebook(gates: dict[int, Path]) -> dict[str, Any]:
+    cells = ["%load_ext nbdist", "import os\n" + _SIMULATE]
+    cells += [f"panel{np} = simulate({np}, {str(gate)!r})" for np, gate in gates.items()]
+    return {
+        "cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                   "source": src} for src in cells],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }
+
+
+@pytest.mark.timeout(420)
+def test_panels_of_64_and_256_ranks_stay_small_and_readable_in_the_page(
+    lab: tuple[str, Path], tmp_path: Path
+) -> None:
+    """In JupyterLab, panels of 64 and 256 simulated ranks show a summary line, the failed
+    rank first, every rank by host in closed groups and a working rank filter; their DOM and
+    the saved notebook stay small (figures in test-artifacts/panel-scale.json)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    url, root = lab
+    gates = {64: tmp_path / "gate64", 256: tmp_path / "gate256"}
+    notebook = root / "panel.ipynb"
+    notebook.write_text(json.dumps(_scale_notebook(gates)))
+    ARTIFACTS.mkdir(exist_ok=True)
+    figures: dict[str, Any] = {}
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(url)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+            page.get_by_text(re.compile(r"\| Idle")).first.wait_for(timeout=120_000)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("Shift+Enter")  # %load_ext nbdist
+            page.keyboard.press("Shift+Enter")  # the helper
+            for index, np in enumerate(gates, start=2):  # one panel at a time
+                page.evaluate(_SAMPLER)
+                # The filter of the panel before had the focus: select this cell first.
+                page.locator(".jp-Notebook .jp-Cell").nth(index).locator(
+                    ".jp-InputPrompt").click()
+                page.keyboard.press("Escape")
+                page.keyboard.press("Shift+Enter")
+                panel = page.locator(f".nbdist-job-sim{np}")
+                sync_api.expect(panel.locator(".nbdist-summary")).to_contain_text(
+                    f"{np} ranks on {np // 8} hosts", timeout=120_000)
+                sync_api.expect(panel.locator(".nbdist-summary")).to_contain_text(
+                    "failed: 40", timeout=60_000)
+                # The rows lead with the failed rank, then the one far behind.
+                sync_api.expect(panel.locator(".nbdist-row").first).to_contain_text(
+                    "rank 40", timeout=60_000)
+                sync_api.expect(panel.locator(".nbdist-row").nth(1)).to_contain_text(
+                    re.compile(r"rank 5\b"))
+                live = page.evaluate(f"""() => {{ const s = window.__scale; s.running = false;
+                  const f = s.frames.slice(1).sort((a, b) => a - b);
+                  return {{updates: s.updates, frames: f.length,
+                    frame_p50_ms: f[Math.floor(f.length / 2)] || 0,
+                    frame_p95_ms: f[Math.floor(f.length * 0.95)] || 0,
+                    frame_max_ms: f[f.length - 1] || 0,
+                    dom_nodes: document.querySelector('.nbdist-job-sim{np}')
+                      .querySelectorAll('*').length}}; }}""")
+                # Every rank is in its host's group, closed until opened.
+                groups = panel.locator(".nbdist-hosts .nbdist-host")
+                sync_api.expect(groups).to_have_count(np // 8, timeout=60_000)
+                panel.locator(".nbdist-groups .lm-AccordionPanel-title, "
+                              ".nbdist-groups .jupyter-widget-Collapse-header").first.click()
+                panel.locator(".nbdist-filter input").fill("failed")
+                panel.locator(".nbdist-filter input").press("Enter")
+                sync_api.expect(panel.locator(".nbdist-filtered")).to_contain_text(
+                    "rank 40", timeout=60_000)
+                gates[np].touch()
+                sync_api.expect(panel).to_have_class(re.compile("nbdist-final-failed"),
+                                                     timeout=120_000)
+                figures[str(np)] = live
+            page.screenshot(path=str(ARTIFACTS / "panel-scale.png"), full_page=True)
+            page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt").click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("Control+s")
+            wait_for(lambda: "nbdist-summary-static" in notebook.read_text(), 60,
+                     "the notebook saved with the panels' static summaries")
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "panel-scale-failed.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+    figures["notebook_bytes"] = notebook.stat().st_size
+    (ARTIFACTS / "panel-scale.json").write_text(json.dumps(figures, indent=2))
+    assert figures["notebook_bytes"] < 200_000, figures
+    # The page holds every rank once (a row in its host's table), not a widget per rank.
+    assert figures["256"]["dom_nodes"] < 4 * figures["64"]["dom_nodes"], figures
