@@ -181,6 +181,7 @@ class ElasticJob:
         env: dict[str, str] | None = None,
         label: str = "",
         mlflow: bool = False,
+        log_dir: str | None = None,
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
@@ -203,7 +204,7 @@ class ElasticJob:
         self._mlflow = tracking.MetricsLogger.for_active_run() if mlflow else None
         if self._mlflow is not None:
             self._state.metrics_sink = self._mlflow.put
-        self._job_args: dict[str, Any] = dict(gpu=gpu, env=env, label=label)
+        self._job_args: dict[str, Any] = dict(gpu=gpu, env=env, label=label, log_dir=log_dir)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self._stop = threading.Event()
@@ -472,6 +473,7 @@ def start(
     env: dict[str, str] | None = None,
     label: str = "",
     mlflow: bool = False,
+    log_dir: str | None = None,
 ) -> jobs.Job | ElasticJob:
     """Start a job that restarts (``max_restarts`` > 0), else an ordinary one (the magics).
 
@@ -482,11 +484,11 @@ def start(
         if checkpoint_dir is not None:
             env = {**(env or {}), _checkpoint.ENV: _absolute(checkpoint_dir)}
         return jobs.start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
-                          label=label, mlflow=mlflow)
+                          label=label, mlflow=mlflow, log_dir=log_dir)
     return _elastic(payload, np, max_restarts=max_restarts, restart_on_error=restart_on_error,
                     capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir,
                     backend=backend, gpu=gpu, timeout=timeout, env=env, label=label,
-                    mlflow=mlflow)
+                    mlflow=mlflow, log_dir=log_dir)
 
 
 def _check(max_restarts: int, restart_on_error: bool, capacity_wait: float | None,

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nbdist import _pickling, channel, events, launch, state, timeline, tracking
+from nbdist import _pickling, channel, events, launch, logfiles, state, timeline, tracking
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
@@ -228,6 +228,7 @@ class Job:
         mlflow: bool = False,
         job_state: state.JobState | None = None,
         world_env: dict[str, str] | None = None,
+        log_dir: str | None = None,
     ) -> None:
         #: A session's ranks: started without a payload, owned by the session (``Owner``).
         session = owner is not None
@@ -244,6 +245,9 @@ class Job:
         self.state = job_state if job_state is not None else state.JobState(
             self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
+        # Every line of every rank, in a file per rank (an attempt appends to its job's).
+        self._logs = logfiles.RankLogs(log_dir or logfiles.default_dir(self.state.id))
+        self.state.log_dir = self._logs.folder
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
@@ -341,6 +345,8 @@ class Job:
             self.send(rank_, {"t": "world", "env": env})
 
     def on_event(self, rank: int, event: channel.Event) -> None:
+        if event.get("t") == "out" and isinstance(text := event.get("text"), str):
+            self._logs.write(rank, text)
         if self._owner is not None and self._owner.on_event(self, rank, event):
             return
         self.state.apply(rank, event)
@@ -430,9 +436,13 @@ class Job:
                 })
         if outcome.lost_lines and outcome.tail:
             # The rank's live output never arrived; its last lines came with its outcome.
+            self._logs.write(outcome.rank, "".join(f"{t}\n" for t in outcome.tail))
             self.state.apply(outcome.rank, {"t": "out", "s": "o",
                                             "text": "".join(f"{t}\n" for t in outcome.tail)})
         self.state.set_rank(outcome.rank, outcome.status, outcome.exit_code)
+        if outcome.status == RankStatus.FAILED or outcome.peak_rss:
+            self.state.set_end(outcome.rank, outcome.how() if outcome.status ==
+                               RankStatus.FAILED else "", outcome.peak_rss)
         with self._lock:
             self._outcomes[outcome.rank] = outcome
             first = outcome.status == RankStatus.FAILED and self._first_failure is None
@@ -488,6 +498,7 @@ class Job:
         if self._timer is not None:
             self._timer.cancel()
         self._server.remove_job(self.id)
+        self._logs.close()
         outcomes = [self._outcomes[r] for r in range(self.np)]
         failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
@@ -766,14 +777,16 @@ def start(
     env: dict[str, str] | None = None,
     label: str = "",
     mlflow: bool = False,
+    log_dir: str | None = None,
 ) -> Job:
-    """Start a job; ``np`` < 0 means |np| local ranks even when Spark is active."""
+    """Start a job; ``np`` < 0 means |np| local ranks even when Spark is active;
+    ``log_dir``: where each rank's output file goes (``nbdist.logfiles``)."""
     launcher, n = choose_launcher(np, backend)
     if timeout is not None and timeout <= 0:
         raise ValueError("timeout must be a positive number of seconds")
     try:
         return Job(payload, n, launcher, gpu=gpu, timeout=timeout, env=env, label=label,
-                   mlflow=mlflow)
+                   mlflow=mlflow, log_dir=log_dir)
     except OSError as exc:
         raise LaunchError(f"could not start the ranks: {exc}") from exc
 

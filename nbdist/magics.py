@@ -11,7 +11,7 @@ import os
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, waiting
+from nbdist import _logcarry, elastic, events, launch, logfiles, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -51,6 +51,17 @@ class Options:
     restart_on_error: bool = False
     capacity_wait: float | None = None
     checkpoint_dir: str | None = None
+    log_dir: str | None = None
+
+
+class StatusArgs(NamedTuple):
+    """``%dist_status``'s arguments."""
+
+    job: str | None
+    timeline: bool
+    trace: str | None
+    rank: int | None = None  # --rank R: the end of that rank's log
+    lines: int = 20  # --lines N
 
 
 #: Why a persistent session cannot restart (``--max-restarts`` with a session's cells).
@@ -62,34 +73,51 @@ SESSION_RESTARTS = (
 )
 
 
-def parse_status(line: str) -> tuple[str | None, bool, str | None]:
-    """``%dist_status``'s arguments: the job, ``--timeline``, and ``--trace PATH``."""
+def parse_status(line: str) -> StatusArgs:
+    """``%dist_status``'s arguments: the job, ``--timeline``, ``--trace PATH``, ``--rank R``
+    and ``--lines N``."""
     job_id: str | None = None
     show_timeline, trace = False, None
+    rank: int | None = None
+    lines: int | None = None
     args = iter(shlex.split(line))
     for arg in args:
+        name, eq, value = arg.partition("=")
         if arg == "--timeline":
             show_timeline = True
-        elif arg == "--trace" or arg.startswith("--trace="):
-            trace = arg.partition("=")[2] or next(args, "")
+        elif name == "--trace":
+            trace = value if eq else next(args, "")
             if not trace:
                 raise UsageError("--trace takes the path of the trace file to write "
                                  "(e.g. --trace launch.json)")
+        elif name in ("--rank", "--lines"):
+            text = value if eq else next(args, "")
+            if not text.isdigit():
+                raise UsageError(f"{name} takes a whole number (e.g. %dist_status j3 --rank 1 "
+                                 f"--lines 50), not {text!r}")
+            if name == "--rank":
+                rank = int(text)
+            else:
+                lines = int(text)
         elif arg.startswith("-"):
             raise UsageError(f"%dist_status: unknown option {arg!r} (options: --timeline, "
-                             f"--trace PATH)")
+                             f"--trace PATH, --rank R, --lines N)")
         elif job_id is None:
             job_id = arg
         else:
             raise UsageError(f"%dist_status takes one job, not {job_id!r} and {arg!r}")
-    if job_id is None and (show_timeline or trace is not None):
-        raise UsageError("--timeline and --trace need a job: %dist_status JOB --timeline "
-                         "(%dist_status lists the jobs)")
+    if job_id is None and (show_timeline or trace is not None or rank is not None
+                           or lines is not None):
+        raise UsageError("--timeline, --trace, --rank and --lines need a job: %dist_status JOB "
+                         "--timeline (%dist_status lists the jobs)")
+    if lines is not None and rank is None:
+        raise UsageError("--lines N shows the end of one rank's log: add --rank R "
+                         "(e.g. %dist_status j3 --rank 1 --lines 50)")
     if trace is not None:
         folder = os.path.dirname(os.path.abspath(trace))
         if not os.path.isdir(folder):
             raise UsageError(f"--trace {trace}: there is no folder {folder!r} to write it in")
-    return job_id, show_timeline, trace
+    return StatusArgs(job_id, show_timeline, trace, rank, 20 if lines is None else lines)
 
 
 def _launch_arguments(func: Any) -> Any:
@@ -104,6 +132,9 @@ def _launch_arguments(func: Any) -> Any:
         argument("--no-gpu", dest="gpu", action="store_false", help="no GPUs for the ranks"),
         argument("--env", action="append", metavar="KEY=VALUE",
                  help="extra environment variable for every rank (repeatable)"),
+        argument("--log-dir", metavar="DIR",
+                 help="write every line of rank R to DIR/rank-R.log (default: a folder of the "
+                 "job's under the temporary folder, named by %%dist_status JOB)"),
     )):
         func = decorate(func)
     return func
@@ -140,10 +171,11 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if np is None and not session:
         raise UsageError("%%distributed needs -np N: the number of ranks (e.g. -np 2), or a "
                          "session to run on: %dist_session start -np N")
-    if np is None and (args.backend != "auto" or args.gpu is not None or args.env):
-        raise UsageError("--backend, --gpu and --env are set once for a session, when it "
-                         "starts (%dist_session start -np N --env KEY=VALUE); give -np N to "
-                         "run this cell as a job of its own instead")
+    log_dir = parse_log_dir(args.log_dir)
+    if np is None and (args.backend != "auto" or args.gpu is not None or args.env or log_dir):
+        raise UsageError("--backend, --gpu, --env and --log-dir are set once for a session, "
+                         "when it starts (%dist_session start -np N --env KEY=VALUE); give -np "
+                         "N to run this cell as a job of its own instead")
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError(f"--timeout takes a positive number of seconds, not {args.timeout:g}")
     env = _parse_env(args.env)
@@ -170,8 +202,19 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
         env=env, quiet=args.quiet, bg=getattr(args, "bg", False), show_source=args.show_source,
         export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
-        mlflow=mlflow, **restarts,
+        mlflow=mlflow, log_dir=log_dir, **restarts,
     )
+
+
+def parse_log_dir(value: str | None) -> str | None:
+    """``--log-dir DIR``: an absolute path that is a folder or can become one."""
+    if value is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--log-dir {value}: {path!r} is a file, not a folder; give a folder "
+                         f"for the ranks' logs (rank-R.log in it)")
+    return path
 
 
 def _parse_restarts(args: argparse.Namespace, np: int | None) -> dict[str, Any]:
@@ -404,7 +447,7 @@ class DistMagics(Magics):
                     payload, opts.np, backend=opts.backend, gpu=opts.gpu, timeout=opts.timeout,
                     env=opts.env, mlflow=opts.mlflow, max_restarts=opts.max_restarts,
                     restart_on_error=opts.restart_on_error, capacity_wait=opts.capacity_wait,
-                    checkpoint_dir=opts.checkpoint_dir)
+                    checkpoint_dir=opts.checkpoint_dir, log_dir=opts.log_dir)
             except ValueError as exc:
                 raise UsageError(str(exc)) from None
         view = None
@@ -448,15 +491,24 @@ class DistMagics(Magics):
         """Show this kernel's nbdist jobs and the capacity of the backends in use.
 
         ``%dist_status JOB`` shows one job's ranks: state, host, pid, GPU, exit code, CPU and
-        memory, last lines. ``%dist_status JOB --timeline`` shows where its launch time went
+        memory, last lines, where each rank's complete log is, and how a rank that failed
+        died (its peak memory, the signal, the out-of-memory killer).
+        ``%dist_status JOB --rank R --lines N`` shows the last N lines (default 20) of rank
+        R's log file. ``%dist_status JOB --timeline`` shows where its launch time went
         per rank (a table and a bar per rank); ``--trace PATH`` writes it as a Chrome trace
         file for Perfetto or chrome://tracing.
         """
-        job_id, show_timeline, trace = parse_status(line)
+        job_id, show_timeline, trace, rank, lines = parse_status(line)
         if job_id is not None:
             job = jobs.get_job(job_id)
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
+            if rank is not None:
+                try:
+                    print(logfiles.tail_text(job.state, rank, lines))
+                except ValueError as exc:
+                    raise UsageError(str(exc)) from None
+                return
             if trace is not None:
                 print(timeline_view.export_trace(job.state, trace))
             if show_timeline:
@@ -530,7 +582,8 @@ class DistMagics(Magics):
         started = time.monotonic()
         try:
             session = sessions.start(np, backend=args.backend, gpu=args.gpu,
-                                     env=_parse_env(args.env), idle_timeout=args.idle_timeout)
+                                     env=_parse_env(args.env), idle_timeout=args.idle_timeout,
+                                     log_dir=parse_log_dir(args.log_dir))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         print(f"session {session.id}: {session.np} ranks ready on {session.launcher.name} in "

@@ -184,6 +184,8 @@ class OutcomeFields(TypedDict, total=False):
     lost_lines: int
     channel_error: str | None
     lost_host: str | None
+    peak_rss: int | None
+    oom: str | None
 
 
 # -- payloads: what a rank runs -------------------------------------------------------------------
@@ -385,6 +387,7 @@ class ResourcesEvent(TypedDict, total=False):
 
     t: Literal["res"]
     rss: int
+    peak: int  # the most resident memory so far (the rank's high-water mark, or a sample's)
     cpu: float  # percent of one core since the last sample
     gpus: list[GpuSample]
 

@@ -73,6 +73,7 @@ def start(
     gpu: bool | None = None,
     env: dict[str, str] | None = None,
     idle_timeout: float | None = None,
+    log_dir: str | None = None,
 ) -> Session:
     """Start this kernel's session and wait until every rank is ready."""
     global _current
@@ -83,7 +84,8 @@ def start(
                 f"{_current.launcher.name}); stop it first with %dist_session stop"
             )
         launcher, n = choose_launcher(np, backend)
-        _current = Session(n, launcher, gpu=gpu, env=env, idle_timeout=idle_timeout)
+        _current = Session(n, launcher, gpu=gpu, env=env, idle_timeout=idle_timeout,
+                           log_dir=log_dir)
     _current.wait_ready(START_S)
     return _current
 
@@ -114,6 +116,7 @@ class Session:
         gpu: bool | None = None,
         env: dict[str, str] | None = None,
         idle_timeout: float | None = None,
+        log_dir: str | None = None,
     ) -> None:
         self._ready: set[int] = set()
         self._ready_event = threading.Event()
@@ -132,7 +135,7 @@ class Session:
         self._dead: RankOutcome | None = None  # the rank whose death broke the session
         #: The session's ranks. Their events may come before this is set: the hooks below
         #: get the job they come from.
-        self.job = Job(None, np, launcher, gpu=gpu, env=env, owner=self)
+        self.job = Job(None, np, launcher, gpu=gpu, env=env, owner=self, log_dir=log_dir)
         self._arm_idle()
 
     # -- the ranks ----------------------------------------------------------------------------
@@ -381,6 +384,7 @@ class SessionCell:
         self.launcher = session.launcher
         self.timeout = timeout
         self.state = state.JobState(cell_id, session.launcher.name, session.np)
+        self.state.log_dir = session.state.log_dir  # the session's ranks write one log each
         for r in session.state.ranks:  # the ranks' hosts and pids are the session's
             self.state.apply(r.rank, {"t": "hello", "host": r.host,
                                       "gpus": r.gpu.split(",") if r.gpu else []})

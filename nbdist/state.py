@@ -65,6 +65,14 @@ class RankState:
     bar: int | None = None  # id of the progress bar updated last (the one views show)
     metrics: dict[str, Any] = field(default_factory=dict)
     resources: Resources | None = None  # the latest sample of its supervisor (resources.py)
+    #: The most it used while it ran (kept after it ended): resident memory, memory on its
+    #: GPUs (summed over them), CPU (percent of one core).
+    peak_rss: int | None = None
+    peak_gpu_mem: int | None = None
+    peak_cpu: float | None = None
+    #: How a rank that did not finish ended, in words ("killed by the kernel's out-of-memory
+    #: killer, peak RSS 21.7 GB"; "killed by SIGSEGV"); "" otherwise.
+    end: str = ""
     marks: dict[str, float] = field(default_factory=dict)  # its launch's marks (timeline.py)
 
     @property
@@ -107,6 +115,8 @@ class JobState:
         self.seq = 0
         self.version = 0  # bumped on every change; views re-render when it moved
         self.rejected = 0
+        #: Where every line of every rank is written (``nbdist.logfiles``), or None.
+        self.log_dir: str | None = None
         self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
@@ -148,7 +158,11 @@ class JobState:
             elif kind == "state":
                 self._rank_state(r, event)
             elif kind == "res":
-                r.resources = Resources.from_event(event, r.last_seen)
+                r.resources = res = Resources.from_event(event, r.last_seen)
+                r.peak_rss = _max(r.peak_rss, res.peak, res.rss)
+                r.peak_cpu = _max(r.peak_cpu, res.cpu)
+                if res.gpus:
+                    r.peak_gpu_mem = _max(r.peak_gpu_mem, sum(g.mem or 0 for g in res.gpus))
             elif kind == "marks":
                 at = event.get("at")
                 if isinstance(at, dict):
@@ -240,6 +254,15 @@ class JobState:
                 r.exit_code = exit_code if exit_code is not None else r.exit_code
             self.version += 1
 
+    def set_end(self, rank: int, how: str, peak_rss: int | None = None) -> None:
+        """How a rank that did not finish ended (``RankOutcome.how``), and its peak memory
+        as its supervisor measured it."""
+        with self.lock:
+            r = self.ranks[rank]
+            r.end = how
+            r.peak_rss = _max(r.peak_rss, peak_rss)
+            self.version += 1
+
     def finish(self, status: str, reason: str = "") -> None:
         with self.lock:
             self.status = status
@@ -278,6 +301,12 @@ class JobState:
         now = time.time() if now is None else now
         with self.lock:
             return [r.rank for r in self.ranks if r.silent(now)]
+
+
+def _max(*values: float | None) -> Any:
+    """The largest of the values that are known, or None."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 # -- a job that restarts (--max-restarts, ``nbdist.elastic``) -----------------------------------

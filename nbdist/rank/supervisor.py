@@ -46,7 +46,8 @@ from nbdist.protocol import (
 )
 from nbdist.rank.cells import JobWork, RankWork, SessionCells
 from nbdist.rank.client import EventClient
-from nbdist.resources import Sampler
+from nbdist.rank.death import OomWatch
+from nbdist.resources import Sampler, size_text
 from nbdist.world import Hello, plan_world
 
 #: Output is sent at most once per this interval per stream while lines keep coming; a line
@@ -254,6 +255,30 @@ class RankOutcome:
     #: Set by a backend whose host for this rank went away under it (a Spark executor lost):
     #: that host, so the driver can name every rank that was on it.
     lost_host: str | None = None
+    #: The most resident memory the rank's processes held (bytes), as its supervisor saw it.
+    peak_rss: int | None = None
+    #: Evidence that the kernel's out-of-memory killer killed the rank (``rank.death``).
+    oom: str | None = None
+
+    def how(self) -> str:
+        """How a rank that did not deliver ended, in a few words: ``killed by the kernel's
+        out-of-memory killer, peak RSS 21.7 GB``, ``killed by SIGSEGV``, ``exited with code
+        3``, or the exception's type and message."""
+        peak = f", peak RSS {size_text(self.peak_rss)}" if self.peak_rss else ""
+        if self.error is not None:
+            return f"{self.error.get('type')}: {self.error.get('message')}"
+        code = self.exit_code
+        if self.oom is not None:
+            return f"killed by the kernel's out-of-memory killer{peak}"
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name}{peak}"
+        if self.status == RankStatus.CANCELLED:
+            return "stopped by nbdist"
+        return f"exited with code {code} before returning a result"
 
     def describe(self) -> str:
         """The failure as text: the remote traceback, or the exit status and last output."""
@@ -262,17 +287,10 @@ class RankOutcome:
             if not text.strip():
                 text = f"{self.error.get('type')}: {self.error.get('message')}\n"
             return text
-        code = self.exit_code
-        if code is not None and code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            how = f"rank {self.rank} was killed by {name}"
-        elif self.status == RankStatus.CANCELLED:
-            how = f"rank {self.rank} was stopped by nbdist"
-        else:
-            how = f"rank {self.rank} exited with code {code} before returning a result"
+        words = self.how()
+        how = f"rank {self.rank} {'' if words.startswith('exited') else 'was '}{words}"
+        if self.oom is not None:
+            how += f" ({self.oom})"
         lines = "".join(f"    {line}\n" for line in self.tail)
         return f"{how}\n" + (f"its last output:\n{lines}" if lines else "it printed nothing\n")
 
@@ -318,6 +336,8 @@ class Supervisor:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
+        self._oom = OomWatch()  # the rank's memory cgroups, to tell an OOM kill when it dies
+        self._sampler: Sampler | None = None
         #: What the rank runs: all that differs between a job's rank and a session's.
         self._work: RankWork = (SessionCells(spec.secret, self._send, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
@@ -399,7 +419,8 @@ class Supervisor:
         ended = threading.Event()
         threading.Thread(target=self._beat, args=(ended,), daemon=True,
                          name=f"nbdist-beat-{spec.rank}").start()
-        sampler = Sampler(self._rank_pid_now, spec.gpus, self._send)
+        sampler = self._sampler = Sampler(self._rank_pid_now, spec.gpus, self._send,
+                                          seen=self._oom.see)
         if self._client is not None:
             sampler.start()
         try:
@@ -514,7 +535,14 @@ class Supervisor:
         outcome = RankOutcome(
             spec.rank, RankStatus.FAILED, result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
+            peak_rss=self._sampler.peak_rss if self._sampler is not None else None,
         )
+        if code == -signal.SIGKILL and self._result is None and not self._cancelled.is_set():
+            kill = self._oom.killed(self._rank_pid_now())
+            if kill is not None:
+                outcome.oom = kill.evidence
+                if kill.rss is not None:
+                    outcome.peak_rss = max(outcome.peak_rss or 0, kill.rss)
         if self._result is not None or (self._work.quitting and code == 0):
             # The value was delivered and output flushed: a crash after that (torch's teardown
             # abort) does not make the rank a failure. A session's rank ends on ``quit``.

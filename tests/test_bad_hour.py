@@ -1,0 +1,200 @@
+"""When a distributed cell goes wrong: complete per-rank logs, and why a rank died (issue 29)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.error import UsageError
+
+import nbdist
+from nbdist import job as jobs
+from nbdist import logfiles
+from nbdist.errors import DistributedError
+from nbdist.rank import death
+from nbdist.views import status
+
+from .helpers import running_job, wait_for
+
+
+def test_tail_reads_the_last_lines_across_blocks(tmp_path: Path) -> None:
+    """``logfiles.tail`` returns the last N lines of a file read backwards in small blocks."""
+    path = tmp_path / "rank-0.log"
+    path.write_text("".join(f"line {i}\n" for i in range(1000)) + "bar 1\rbar 2\n")
+    assert logfiles.tail(str(path), 3, block=7) == ["line 998", "line 999", "bar 2"]
+    assert logfiles.tail(str(path), 5000)[0] == "line 0"
+    assert logfiles.tail(str(path), 0) == []
+
+
+def test_rank_logs_append_per_rank_and_say_when_they_cannot(tmp_path: Path) -> None:
+    """Each rank's text goes to its own file, appended; an unwritable folder is reported once."""
+    logs = logfiles.RankLogs(str(tmp_path / "logs"))
+    logs.write(1, "a\nb")
+    logs.write(1, "c\n")
+    logs.write(0, "zero\n")
+    logs.close()
+    assert (tmp_path / "logs" / "rank-1.log").read_text() == "a\nbc\n"
+    assert (tmp_path / "logs" / "rank-0.log").read_text() == "zero\n"
+    (tmp_path / "file").write_text("")
+    bad = logfiles.RankLogs(str(tmp_path / "file" / "logs"))
+    bad.write(0, "x\n")
+    assert bad.error is not None and "cannot write the ranks' logs" in bad.error
+
+
+def test_status_names_the_logs_and_how_ranks_ended() -> None:
+    """``%dist_status JOB`` names the log folder, each rank's peaks and how a failed rank died."""
+    job = running_job(2)
+    job.log_dir = "/tmp/x/j77"
+    job.apply(1, {"t": "res", "rss": 10_000_000, "peak": 1_700_000_000, "cpu": 150.0})
+    job.set_rank(1, "failed", -9)
+    job.set_end(1, "killed by the kernel's out-of-memory killer, peak RSS 21.7 GB")
+    text = status.ranks_table(job)
+    assert "rank 1: killed by the kernel's out-of-memory killer, peak RSS 21.7 GB" in text
+    assert "peak RSS 1.7 GB · CPU 150%" in text
+    assert "/tmp/x/j77/rank-R.log" in text and "%dist_status j77 --rank R" in text
+    assert "out-of-memory killer" in status.RanksReport(job)._repr_html_()
+
+
+def test_status_rank_options_are_checked() -> None:
+    """``--lines`` needs ``--rank``, both take whole numbers, and both need a job."""
+    from nbdist.magics import parse_status
+
+    assert parse_status("j3 --rank 1 --lines 50")[3:] == (1, 50)
+    assert parse_status("j3 --rank=2")[3:] == (2, 20)
+    for line, words in [("j3 --lines 5", "add --rank R"), ("--rank 1", "need a job"),
+                        ("j3 --rank x", "whole number")]:
+        with pytest.raises(UsageError, match=words):
+            parse_status(line)
+
+
+CELL_MANY_LINES = """
+import os
+for i in range(2500):
+    print(f"rank {os.environ['RANK']} line {i}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_line_of_every_rank_is_in_its_log_file(
+        ip: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--log-dir`` gets all 2500 lines of each rank although the panel keeps 1000, and
+    ``%dist_status JOB --rank R --lines N`` shows the end of one."""
+    ip.run_cell_magic("distributed", f"-np 2 --quiet --log-dir {tmp_path}", CELL_MANY_LINES)
+    job = jobs.jobs()[-1]
+    assert job.state.log_dir == str(tmp_path)
+    assert len(job.state.ranks[0].log) == 1000
+    for rank in (0, 1):
+        lines = (tmp_path / f"rank-{rank}.log").read_text().splitlines()
+        assert lines == [f"rank {rank} line {i}" for i in range(2500)]
+    capsys.readouterr()
+    ip.run_line_magic("dist_status", f"{job.id} --rank 1 --lines 2")
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[1:] == ["rank 1 line 2498", "rank 1 line 2499"]
+    ip.run_line_magic("dist_status", job.id)
+    assert f"{tmp_path}/rank-R.log" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="has ranks 0 to 1, not 5"):
+        ip.run_line_magic("dist_status", f"{job.id} --rank 5")
+
+
+def _killed_after_peak(release: str) -> int:
+    import os
+    import signal
+    import time
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        held = b"x" * (120 << 20)  # resident: bytes * n writes every page
+        print("holding", len(held), flush=True)
+        while not os.path.exists(release):  # the test saw the peak in a sample
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_is_named_with_its_peak_memory(tmp_path: Path) -> None:
+    """A rank killed by SIGKILL (not the OOM killer) is named with the signal and its peak
+    RSS, in the error and in the job's state, which keeps the peak after the job ended."""
+    release = tmp_path / "release"
+    job = nbdist.run(_killed_after_peak, str(release), np=2, backend="local")
+    wait_for(lambda: (job.state.ranks[1].peak_rss or 0) > 120e6, 60, "rank 1's peak in a sample")
+    release.write_text("")
+    with pytest.raises(DistributedError, match=r"rank 1 of 2 failed: rank 1 was killed by "
+                       r"SIGKILL, peak RSS 1\d\d MB"):
+        job.result(timeout=60)
+    r1 = job.state.ranks[1]
+    assert r1.end.startswith("killed by SIGKILL, peak RSS") and (r1.peak_rss or 0) > 120e6
+    assert "out-of-memory" not in str(job.error)
+
+
+def _memory_cgroup_parent() -> Path | None:
+    """A memory cgroup folder this process may create children in (root on cgroup v1 or v2)."""
+    own = death.memory_cgroup(os.getpid())
+    if own is None or not os.access(own, os.W_OK):
+        return None
+    return Path(own)
+
+
+@pytest.fixture
+def memory_cgroup() -> Iterator[Path]:
+    """A fresh memory cgroup limited to 64 MB (no swap), removed after the test."""
+    parent = _memory_cgroup_parent()
+    if parent is None:
+        pytest.skip("no writable memory cgroup here (needs root on cgroup v1 or v2)")
+    folder = parent / f"nbdist-oom-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    try:
+        limits = (["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
+                  if (folder / "memory.limit_in_bytes").exists()
+                  else ["memory.max", "memory.swap.max"])
+        for name in limits:  # memory, then memory + swap (v1) or swap alone (v2)
+            if (folder / name).exists():
+                (folder / name).write_text("0" if name == "memory.swap.max" else str(64 << 20))
+        yield folder
+    finally:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                folder.rmdir()
+                break
+            except OSError:  # its last process is still being torn down
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def _oom_on_rank_1(cgroup: str) -> int:
+    import os
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        chunks = []
+        for _ in range(64):  # 512 MB, 8 MB at a time, far over the cgroup's 64 MB
+            chunks.append(b"x" * (8 << 20))
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_oom_killed_under_a_memory_limit_is_named_as_such(memory_cgroup: Path) -> None:
+    """A rank that the kernel's OOM killer kills (a cgroup's memory limit) is named as killed
+    by the out-of-memory killer, with its peak memory, not as a bare SIGKILL."""
+    job = nbdist.run(_oom_on_rank_1, str(memory_cgroup), np=2, backend="local")
+    with pytest.raises(DistributedError) as info:
+        job.result(timeout=60)
+    text = str(info.value) + "".join(info.value.failures.values())
+    assert "rank 1 was killed by the kernel's out-of-memory killer, peak RSS" in text, text
+    assert job.state.ranks[1].end.startswith("killed by the kernel's out-of-memory killer")
+    assert "rank 1: killed by the kernel's out-of-memory killer" in status.ranks_table(job.state)
+    assert job.state.ranks[0].status == "done" or job.state.ranks[0].status == "cancelled"
+    assert signal.SIGKILL == -(job.state.ranks[1].exit_code or 0)
