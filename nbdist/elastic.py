@@ -36,6 +36,7 @@ from nbdist import job as jobs
 from nbdist.errors import CapacityError, DistributedError, LaunchError
 from nbdist.protocol import CallPayload, Payload
 from nbdist.rank.supervisor import RankOutcome
+from nbdist.stacks import Stacks
 from nbdist.state import Attempt, ElasticState
 from nbdist.waiting import wait_loop
 
@@ -427,6 +428,10 @@ class ElasticJob:
     @property
     def lost_output(self) -> str | None:
         return self._current.lost_output
+
+    def stacks(self, timeout: float = jobs.STACKS_WAIT_S) -> Stacks:
+        """The stacks of the current attempt's ranks (``%dist_stacks``)."""
+        return self._current.stacks(timeout, job_id=self.id)
 
     def retained_bytes(self) -> int:
         # Nothing until the job is over: an attempt's own end counts its values then.

@@ -23,6 +23,7 @@ from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, Valu
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
 from nbdist.rank.supervisor import RankOutcome
+from nbdist.stacks import Stacks
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
@@ -40,6 +41,12 @@ DRAIN_S = 10.0
 #: How often the driver pings the ranks of a remote job (they stop when they hear nothing
 #: for their heartbeat timeout) and looks for ranks it has not heard of itself.
 PING_S = state.HEARTBEAT_S
+#: How long ``stacks()`` waits for the ranks' answers (a supervisor gives a dump 2 s).
+STACKS_WAIT_S = 3.0
+#: Lines of a rank's output shown for a rank that gave no stacks.
+STACKS_TAIL_LINES = 5
+#: How long a timeout or a cancel waits for the ranks' stacks before it stops them.
+FORENSICS_S = 2.5
 
 _ids = itertools.count(1)
 
@@ -47,6 +54,7 @@ _ids = itertools.count(1)
 def new_id(prefix: str = "j") -> str:
     """A job id not used before in this kernel (``j1``, ``j2``, ...)."""
     return f"{prefix}{next(_ids)}"
+
 
 class Handle(Protocol):
     """What the magics and views use of a job: a :class:`Job`, or a session's cell."""
@@ -73,6 +81,10 @@ class Handle(Protocol):
 
     def retained_bytes(self) -> int:
         """Pickled size of the values it holds (0 when it holds none)."""
+        ...
+
+    def stacks(self, timeout: float = ...) -> Stacks:
+        """Every live rank's stacks, grouped (``%dist_stacks``)."""
         ...
 
     def drop_values(self) -> None:
@@ -269,6 +281,10 @@ class Job:
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
+        self._stacks_in = threading.Condition(self._lock)  # answers to stacks requests
+        self._stacks_asked = 0
+        self._stacks: dict[int, dict[int, channel.Event]] = {}  # request → rank → answer
+        self._forensics: str | None = None  # the stacks taken before nbdist stopped it
         self._done = threading.Event()
         self._results: list[Any] = []
         self._size = 0  # pickled size of _results
@@ -345,8 +361,16 @@ class Job:
             self.send(rank_, {"t": "world", "env": env})
 
     def on_event(self, rank: int, event: channel.Event) -> None:
-        if event.get("t") == "out" and isinstance(text := event.get("text"), str):
+        kind = event.get("t")
+        if kind == "out" and isinstance(text := event.get("text"), str):
             self._logs.write(rank, text)
+        elif kind == "stacks":
+            with self._lock:
+                answers = self._stacks.get(event.get("id"))  # type: ignore[arg-type]
+                if answers is not None:
+                    answers[rank] = event
+                    self._stacks_in.notify_all()
+            return
         if self._owner is not None and self._owner.on_event(self, rank, event):
             return
         self.state.apply(rank, event)
@@ -479,7 +503,25 @@ class Job:
 
     def _on_timeout(self) -> None:
         if not self._done.is_set():
+            self._take_forensics()
             self._cancel(f"timed out after {self.timeout:g} s", timeout=True)
+
+    def _take_forensics(self) -> None:
+        """Before stopping a running job: where each rank is, for the error and the views
+        (bounded by ``FORENSICS_S``)."""
+        with self._lock:
+            if self._cancel_reason is not None or self._forensics is not None:
+                return
+            running = [r for r in range(self.np) if r not in self._outcomes]
+        if not running:
+            return
+        try:
+            taken = self.stacks(FORENSICS_S)
+        except Exception:  # forensics never stand in the way of the cancel
+            return
+        if taken.groups:
+            self._forensics = taken.text()
+            self.state.set_forensics(self._forensics)
 
     def _cancel(self, reason: str, *, timeout: bool = False) -> None:
         with self._lock:
@@ -512,6 +554,7 @@ class Job:
             error = DistributedError(
                 f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
                 f"were stopped", job_id=self.id, reason="cancelled",
+                stacks=self._forensics or "",
             )
         if error is None:
             try:
@@ -525,7 +568,8 @@ class Job:
         self._lost = _lost_output(outcomes, self.address)
         if self._lost is not None and isinstance(error, DistributedError):
             error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
-                                     reason=error.reason, failures=error.failures)
+                                     reason=error.reason, failures=error.failures,
+                                     stacks=error.stacks)
         self._error = error
         final = state.DONE if error is None else (
             state.CANCELLED if getattr(error, "reason", "") == "cancelled" else state.FAILED
@@ -617,7 +661,7 @@ class Job:
         return DistributedError(
             f"job {self.id} timed out after {self.timeout:g} s (--timeout); ranks still "
             f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped",
-            job_id=self.id, reason="timeout", failures=failures,
+            job_id=self.id, reason="timeout", failures=failures, stacks=self._forensics or "",
         )
 
     # -- public -----------------------------------------------------------------------------
@@ -639,10 +683,58 @@ class Job:
         """True once every rank has ended and the job's outcome is known."""
         return self._done.is_set()
 
+    def stacks(self, timeout: float = STACKS_WAIT_S, job_id: str | None = None) -> Stacks:
+        """The stacks of every thread of every rank still running, grouped (``nbdist.stacks``).
+
+        Each rank's supervisor has its interpreter write them (``faulthandler``: also from C
+        code); a rank that gives none within ``timeout`` is named with its last lines.
+        """
+        started = time.monotonic()
+        with self._lock:
+            self._stacks_asked += 1
+            req = self._stacks_asked
+            answers: dict[int, channel.Event] = {}
+            self._stacks[req] = answers
+            live = [r for r in range(self.np) if r not in self._outcomes]
+        asked = [r for r in live if self.send(r, {"t": "stacks", "id": req})]
+        with self._lock:
+            self._stacks_in.wait_for(lambda: len(answers) >= len(asked), timeout)
+            self._stacks.pop(req, None)
+            got = dict(answers)
+        dumps: dict[int, str] = {}
+        missing: dict[int, str] = {}
+        for rank in live:
+            answer = got.get(rank)
+            text = answer.get("text") if answer is not None else None
+            if isinstance(text, str) and text:
+                dumps[rank] = text
+                continue
+            if answer is not None:
+                why = str(answer.get("error") or "no stacks")
+            elif rank in asked:
+                why = f"did not answer within {timeout:g} s"
+            else:
+                why = "is not connected to the driver"
+            r = self.state.ranks[rank]
+            with self.state.lock:
+                tail = [ln.text for ln in list(r.log)[-STACKS_TAIL_LINES:]]
+            missing[rank] = why + ("; its last lines:\n" + "\n".join(tail) if tail else
+                                   "; it printed nothing")
+        return Stacks.from_dumps(job_id or self.state.id, dumps, missing,
+                                 time.monotonic() - started)
+
     def cancel(self, reason: str = "cancelled by the user") -> None:
-        """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled."""
+        """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled.
+
+        The stacks of the ranks still running are taken first (at most ``FORENSICS_S``) and
+        kept with the job's error and state: where a hung job hung.
+        """
         if not self._done.is_set():
-            self._cancel(reason)
+            try:
+                if self._owner is None:  # a session's ranks between cells hang nowhere
+                    self._take_forensics()
+            finally:  # a second interrupt while the stacks come in still cancels
+                self._cancel(reason)
 
     def wait(
         self, timeout: float | None = None, on_tick: Callable[[], None] | None = None

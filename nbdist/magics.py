@@ -519,6 +519,31 @@ class DistMagics(Magics):
         display(status.JobsReport([j.state for j in jobs.jobs()], jobs.capacities(),
                                   rejected=events.rejected_connections()))
 
+    @magic_arguments()
+    @argument("job", nargs="?", help="the job (default: the one running)")
+    @argument("--timeout", type=float, default=jobs.STACKS_WAIT_S, metavar="SECONDS",
+              help="how long to wait for the ranks' answers (default %(default)s)")
+    @line_magic
+    def dist_stacks(self, line: str) -> None:
+        """Show the Python stacks of every thread of every running rank, grouped.
+
+        Ranks with the same stacks fold into one line (``ranks 0–2, 4–7: all_reduce ← step
+        (cell line 41)``), then each group's frames. Works while a rank is stuck in C code (a
+        collective, a lock). A rank that does not answer is named with its last lines.
+        """
+        args = parse_argstring(self.dist_stacks, line)
+        job = jobs.get_job(args.job)
+        if job is None:
+            raise UsageError(f"no job {args.job!r}; %dist_status lists the jobs" if args.job
+                             else "no nbdist job to show the stacks of")
+        if job.done():
+            raise UsageError(f"job {job.id} already ended ({job.state.status}): only running "
+                             f"ranks have stacks; %dist_status {job.id} shows how they ended")
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout takes a positive number of seconds, not "
+                             f"{args.timeout:g}")
+        display(job.stacks(args.timeout))
+
     @line_magic
     def dist_cancel(self, line: str) -> None:
         """Cancel a job (default: the one running); its ranks are gone within seconds."""

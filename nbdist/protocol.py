@@ -92,6 +92,10 @@ HEARTBEAT_S = 5.0
 #: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:
 #: its supervisor, its host or the network to the driver is stuck or gone.
 SILENT_AFTER_S = 3 * HEARTBEAT_S
+#: The signal on which a rank's interpreter writes the stacks of all its threads
+#: (``faulthandler``, so also while it is stuck in C code: a collective, a lock); its name, as
+#: the ``signal`` module knows it.
+STACKS_SIGNAL = "SIGUSR2"
 
 
 # -- frames: supervisor ↔ rank interpreter --------------------------------------------------------
@@ -357,6 +361,7 @@ class StateEvent(TypedDict, total=False):
     host: str
     exit: int | None
     at: float  # ``ready``: when (``time.time()``)
+    stacks: str  # ``ready``: the file its stack dumps go to (``STACKS_SIGNAL``)
 
 
 class MarksEvent(TypedDict):
@@ -442,6 +447,16 @@ class NamesEvent(TypedDict):
     names: list[str]
 
 
+class StacksEvent(TypedDict, total=False):
+    """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
+    ``faulthandler`` writes them (``text``), or why there are none (``error``)."""
+
+    t: Literal["stacks"]
+    id: int
+    text: str
+    error: str
+
+
 class ResultEvent(TypedDict, total=False):
     """Interpreter → supervisor: a payload's value follows (its type; a session's: the sizes
     of its pieces)."""
@@ -455,7 +470,7 @@ class ResultEvent(TypedDict, total=False):
 #: supervisor to the driver (the event channel).
 RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
              | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
-             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent)
+             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent)
 
 
 class WorldEvent(TypedDict):
@@ -493,6 +508,13 @@ class PingEvent(TypedDict):
     t: Literal["ping", "quit"]
 
 
+class StacksRequest(TypedDict):
+    """Driver → rank: send the stacks of the rank's threads, as request ``id``."""
+
+    t: Literal["stacks"]
+    id: int
+
+
 class PaceEvent(TypedDict):
     """Event server → rank: write at most every ``every`` seconds."""
 
@@ -501,4 +523,5 @@ class PaceEvent(TypedDict):
 
 
 #: Everything the driver sends a rank on the event channel.
-DriverEvent = WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
+DriverEvent = (WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
+               | StacksRequest)

@@ -34,6 +34,7 @@ from nbdist import _pickling, channel, state, values
 from nbdist.errors import DistributedError
 from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
+    STACKS_WAIT_S,
     Job,
     choose_launcher,
     dropped_error,
@@ -44,6 +45,7 @@ from nbdist.job import (
 from nbdist.launch import Launcher
 from nbdist.protocol import CellEvent, Payload, RankStatus
 from nbdist.rank.supervisor import RankOutcome
+from nbdist.stacks import Stacks
 from nbdist.waiting import wait_loop
 
 #: How long ``start`` waits for every rank's interpreter to be up.
@@ -616,6 +618,10 @@ class SessionCell:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    def stacks(self, timeout: float = STACKS_WAIT_S) -> Stacks:
+        """The stacks of the session's ranks, labelled with this cell (``%dist_stacks``)."""
+        return self.session.job.stacks(timeout, job_id=self.id)
 
     def retained_bytes(self) -> int:
         return self._size

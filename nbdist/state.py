@@ -117,6 +117,9 @@ class JobState:
         self.rejected = 0
         #: Where every line of every rank is written (``nbdist.logfiles``), or None.
         self.log_dir: str | None = None
+        #: Where its ranks were when nbdist stopped the job (a timeout, a cancel): their
+        #: stacks, grouped (``nbdist.stacks``); "" when none were taken.
+        self.forensics = ""
         self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
@@ -261,6 +264,12 @@ class JobState:
             r = self.ranks[rank]
             r.end = how
             r.peak_rss = _max(r.peak_rss, peak_rss)
+            self.version += 1
+
+    def set_forensics(self, text: str) -> None:
+        """The ranks' grouped stacks, taken before nbdist stopped them."""
+        with self.lock:
+            self.forensics = text
             self.version += 1
 
     def finish(self, status: str, reason: str = "") -> None:

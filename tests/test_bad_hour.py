@@ -198,3 +198,142 @@ def test_a_rank_oom_killed_under_a_memory_limit_is_named_as_such(memory_cgroup: 
     assert "rank 1: killed by the kernel's out-of-memory killer" in status.ranks_table(job.state)
     assert job.state.ranks[0].status == "done" or job.state.ranks[0].status == "cancelled"
     assert signal.SIGKILL == -(job.state.ranks[1].exit_code or 0)
+
+
+# -- stacks ---------------------------------------------------------------------------------------
+def _dump(*threads: list[tuple[str, int, str]]) -> str:
+    """faulthandler's text for threads given outermost call first (it writes innermost first)."""
+    out = []
+    for i, frames in enumerate(threads):
+        out.append(f"Thread 0x00007f00000{i:05x} (most recent call first):")
+        out += [f'  File "{f}", line {n} in {fn}' for f, n, fn in reversed(frames)]
+        out.append("")
+    return "\n".join(out)
+
+
+RUNTIME = "/site-packages/nbdist/rank/runtime.py"
+NBDIST_THREAD = [("/usr/lib/python3.11/threading.py", 995, "_bootstrap"),
+                 ("/usr/lib/python3.11/threading.py", 1038, "_bootstrap_inner"),
+                 ("/usr/lib/python3.11/threading.py", 975, "run"),
+                 (RUNTIME, 640, "watch"), ("/site-packages/nbdist/protocol.py", 129, "read_frame")]
+
+
+def _cell_thread(*inner: tuple[str, int, str]) -> list[tuple[str, int, str]]:
+    return [("<string>", 1, "<module>"), (RUNTIME, 660, "main"), (RUNTIME, 520, "_serve"),
+            (RUNTIME, 137, "_run_cell"), *inner]
+
+
+def test_stacks_fold_equal_ranks_and_leave_out_nbdist() -> None:
+    """Equal stacks fold into ``ranks 0–2, 4–7``; nbdist's frames and threads are left out;
+    the cell's frames keep the cell's line numbers."""
+    from nbdist import stacks
+
+    reduce = _cell_thread(("<cell In[3]>", 41, "<module>"), ("<cell In[3]>", 12, "step"),
+                          ("/torch/distributed/distributed_c10d.py", 2501, "all_reduce"))
+    loader = _cell_thread(("<cell In[3]>", 27, "<module>"),
+                          ("/torch/utils/data/dataloader.py", 630, "__next__"))
+    dumps = {r: _dump(NBDIST_THREAD, loader if r == 3 else reduce) for r in range(8)}
+    got = stacks.Stacks.from_dumps("j5", dumps, {8: "did not answer within 3 s; its last "
+                                                     "lines:\nstep 9"})
+    assert got.summary().splitlines() == [
+        "ranks 0–2, 4–7: all_reduce ← step ← <module> (cell line 12)",
+        "rank 3: __next__ ← <module> (cell line 27)",
+        "rank 8: did not answer within 3 s; its last lines:",
+    ]
+    text = got.text()
+    assert 'File "<cell In[3]>", line 41, in <module>' in text and "runtime.py" not in text
+    assert "watch" not in text and "    step 9" in text
+    assert stacks.rank_ranges([5, 1, 2]) == "ranks 1, 2, 5"
+    assert stacks.rank_ranges([0, 1, 2, 3]) == "ranks 0–3"
+
+
+def test_an_idle_session_rank_has_no_frames_of_its_own() -> None:
+    """A session rank waiting for its next cell shows as no Python frame, not nbdist's loop."""
+    from nbdist import stacks
+
+    idle = [("<string>", 1, "<module>"), (RUNTIME, 660, "main"), (RUNTIME, 510, "_serve"),
+            ("/usr/lib/python3.11/queue.py", 171, "get"),
+            ("/usr/lib/python3.11/threading.py", 320, "wait")]
+    [group] = stacks.group({0: _dump(idle), 1: _dump(idle)})
+    assert group.ranks == [0, 1] and group.summary().startswith("no Python frame")
+
+
+CELL_STUCK = """import os, threading, time
+rank = int(os.environ["RANK"])
+lock = threading.Lock()
+lock.acquire()
+print("ready", flush=True)
+if rank == 2:
+    while True:
+        time.sleep(0.05)
+elif rank == 1:
+    import signal
+    signal.signal(signal.SIGUSR2, lambda *a: None)
+    print("deaf", flush=True)
+    lock.acquire()
+else:
+    lock.acquire()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dist_stacks_shows_where_each_local_rank_is_stuck(
+        ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``%dist_stacks`` on 4 local ranks: ranks stuck in a lock (C code) fold into one group
+    at the cell's line, a rank sleeping in a loop is another, a rank that cannot answer is
+    named with its last lines; on an ended job or an unknown one it is a usage error."""
+    job = ip.run_cell_magic("distributed", "-np 4 --bg --quiet", CELL_STUCK)
+    try:
+        wait_for(lambda: all(r.lines >= 1 for r in job.state.ranks)
+                 and job.state.ranks[1].lines >= 2, 60, "every rank at its line")
+        capsys.readouterr()
+        ip.run_line_magic("dist_stacks", job.id)
+        shown = capsys.readouterr().out
+        lines = shown.splitlines()
+        assert "ranks 0, 3: <module> (cell line 16)" in lines, shown
+        assert "rank 2: <module> (cell line 9)" in lines, shown
+        assert any(ln.startswith("rank 1: no stack dump within") for ln in lines), shown
+        assert "    deaf" in lines, shown
+    finally:
+        ip.run_line_magic("dist_cancel", job.id)
+    with pytest.raises(UsageError, match=f"job {job.id} already ended"):
+        ip.run_line_magic("dist_stacks", job.id)
+    with pytest.raises(UsageError, match="no job 'j999'"):
+        ip.run_line_magic("dist_stacks", "j999")
+
+
+def _hung_collective() -> None:
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if int(os.environ["RANK"]) == 1:
+        while True:  # never joins the collective the others wait in
+            time.sleep(0.05)
+    dist.all_reduce(torch.ones(4))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_timeout_takes_the_stacks_of_a_hung_collective_first() -> None:
+    """When ``--timeout`` fires on a job hung in a collective, the error carries where every
+    rank was (ranks in ``all_reduce`` folded, the rank that never joined on its own line), and
+    so do the job's state and the panel's saved summary."""
+    job = nbdist.run(_hung_collective, np=3, backend="local", timeout=20)
+    with pytest.raises(DistributedError) as info:
+        job.result(timeout=100)
+    err = info.value
+    assert err.reason == "timeout"
+    summary = [ln for ln in err.stacks.splitlines() if ln.startswith("rank")]
+    assert summary[0].startswith("ranks 0, 2: all_reduce ← "), err.stacks
+    assert summary[1].startswith("rank 1: _hung_collective ("), err.stacks
+    assert "test_bad_hour.py" in err.stacks
+    rendered = "\n".join(err._render_traceback_())
+    assert "where the ranks were when nbdist stopped them" in rendered
+    assert "all_reduce" in job.state.forensics
+    assert "all_reduce" in status.summary_text(job.state)
+    assert "all_reduce" in status.summary_html(job.state)

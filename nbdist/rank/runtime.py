@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbdist import _logcarry, values  # standard library only
 from nbdist.protocol import (
+    STACKS_SIGNAL,
     CallPayload,
     CellPayload,
     EnvFrame,
@@ -46,6 +47,7 @@ from nbdist.protocol import (
     PushPayload,
     ScriptPayload,
     SessionKeys,
+    StateEvent,
     load_values,
     read_frame,
 )
@@ -635,7 +637,11 @@ def main(guard: bool = True) -> None:
     pacer = Pacer()
     pacer.install()
     _guard_forks(pacer)
-    chan.event({"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()})
+    ready: StateEvent = {"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()}
+    stacks = register_stack_dumps()
+    if stacks is not None:
+        ready["stacks"] = stacks
+    chan.event(ready)
     code = 0
     try:
         _serve(inbox, chan)
@@ -649,6 +655,38 @@ def main(guard: bool = True) -> None:
         _flush_all()
         _kill_descendants()
         os._exit(code)
+
+
+#: Where the rank's stack dumps go (kept open for its life; ``faulthandler`` keeps the fd).
+_stacks_file: Any = None
+
+
+def register_stack_dumps() -> str | None:
+    """Write every thread's stack to a file on ``STACKS_SIGNAL``; the path the supervisor
+    reads it at, or None where that cannot be.
+
+    ``faulthandler`` writes from the signal handler itself, in C, so a rank stuck in C code (a
+    collective, a lock, a long numpy call) still answers. On Linux the file is unlinked at once
+    and read through ``/proc/PID/fd``: nothing is left behind however the rank ends.
+    """
+    global _stacks_file
+    import faulthandler
+    import tempfile
+
+    sig = getattr(signal, STACKS_SIGNAL, None)
+    if sig is None:
+        return None
+    try:
+        fd, path = tempfile.mkstemp(prefix="nbdist-stacks-", suffix=".txt")
+        _stacks_file = os.fdopen(fd, "w")
+        faulthandler.register(sig, file=_stacks_file, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    proc_path = f"/proc/{os.getpid()}/fd/{fd}"
+    if os.path.exists(proc_path):
+        os.unlink(path)
+        return proc_path
+    return path
 
 
 def become_subreaper() -> bool:

@@ -41,6 +41,7 @@ from nbdist.protocol import (
     HelloEvent,
     RankEvent,
     RankStatus,
+    StacksEvent,
     read_frame,
     write_frame,
 )
@@ -70,6 +71,9 @@ PUMP_GRACE_S = 2.0
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
 TAIL_LINES = 20
+#: How long a rank's stack dump may take to be written, and the quiet that ends one.
+STACKS_S = 2.0
+STACKS_QUIET_S = 0.05
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
 PIECES_QUEUED = 2
@@ -343,6 +347,8 @@ class Supervisor:
                                 if spec.session else JobWork(spec.payload))
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
+        self._stacks_path: str | None = None  # where the rank writes its stack dumps
+        self._stacks_lock = threading.Lock()  # one dump at a time
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
         self.marks: dict[str, float] = {}
@@ -358,6 +364,10 @@ class Supervisor:
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
+        elif msg.get("t") == "stacks":
+            # Off the client's reader thread: the dump takes up to STACKS_S.
+            threading.Thread(target=self._answer_stacks, args=(msg.get("id"),), daemon=True,
+                             name=f"nbdist-stacks-{self.spec.rank}").start()
         else:
             self._work.on_message(msg, self._rp)
 
@@ -655,6 +665,7 @@ class Supervisor:
                     continue
                 if event.get("t") == "state" and event.get("state") == "ready":
                     self._rank_pid = int(event.get("pid") or rp.pid)
+                    self._stacks_path = event.get("stacks") or None
                     at = event.get("at")
                     self.mark(timeline.READY, at if isinstance(at, (int, float)) else None)
                 if event.get("t") == "marks":  # the interpreter's (imports, end): first ones
@@ -680,6 +691,35 @@ class Supervisor:
             elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
+
+    def _answer_stacks(self, req: Any) -> None:
+        text, error = self.stacks()
+        answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0}
+        if text:
+            answer["text"] = text
+        if error:
+            answer["error"] = error
+        self._send(answer)
+
+    def stacks(self, timeout: float = STACKS_S) -> tuple[str, str]:
+        """The stacks of every thread of the rank (``faulthandler``'s text), and "" — or ""
+        and why there are none."""
+        path, pid, proc = self._stacks_path, self._rank_pid, self._proc
+        if proc is None or proc.poll() is not None or pid is None:
+            return "", "the rank is not running"
+        if path is None:
+            return "", "the rank's interpreter takes no stack dumps (it has no SIGUSR2)"
+        with self._stacks_lock:
+            try:
+                with open(path, "rb") as f:
+                    start = f.seek(0, os.SEEK_END)
+                    os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+                    data = _read_dump(f, start, timeout)
+            except OSError as exc:
+                return "", f"its stacks could not be read: {exc}"
+        if not data:
+            return "", f"no stack dump within {timeout:g} s"
+        return data.decode("utf-8", "replace"), ""
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
@@ -851,6 +891,28 @@ def _descendants(pid: int) -> list[Any]:
         return list(psutil.Process(pid).children(recursive=True))
     except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
         return []
+
+
+def _read_dump(f: Any, start: int, timeout: float) -> bytes:
+    """What a stack dump adds to the file after ``start``: read until it stops growing.
+
+    ``faulthandler`` writes a thread at a time, in its signal handler, with no end marker; a
+    dump is over when nothing more came for ``STACKS_QUIET_S``.
+    """
+    deadline = time.monotonic() + timeout
+    data = b""
+    quiet_since = None
+    while time.monotonic() < deadline:
+        f.seek(start + len(data))
+        more = f.read()
+        now = time.monotonic()
+        if more:
+            data += more
+            quiet_since = now
+        elif data and quiet_since is not None and now - quiet_since >= STACKS_QUIET_S:
+            break
+        time.sleep(0.01)  # polling a file that a signal handler writes: nothing to wait on
+    return data
 
 
 def _grow_pipe(fd: int) -> None:

@@ -287,6 +287,9 @@ def ends_lines(job: JobState) -> list[str]:
     out-of-memory killer, peak RSS 21.7 GB``), then where every rank's complete log is."""
     with job.lock:
         lines = [f"rank {r.rank}: {r.end}" for r in job.ranks if r.end][:MAX_TABLE_ROWS]
+    if job.forensics:
+        lines.append("where the ranks were when nbdist stopped them:")
+        lines += [f"  {line}" for line in job.forensics.splitlines()[1:]]
     if job.log_dir:
         lines.append(f"logs: every line of rank R in {job.log_dir}/rank-R.log "
                      f"(%dist_status {job.id} --rank R --lines N shows its end)")
@@ -385,7 +388,16 @@ def summary_html(job: JobState) -> str:
     return (f"<div class='nbdist-summary-static'>{header_html(job)}"
             f"<details><summary>ranks</summary>{table}</details>"
             f"<details><summary>output ({note})</summary>"
-            f"<pre style='max-height:20em;overflow:auto'>{log}</pre></details></div>")
+            f"<pre style='max-height:20em;overflow:auto'>{log}</pre></details>"
+            f"{_forensics_html(job)}</div>")
+
+
+def _forensics_html(job: JobState) -> str:
+    if not job.forensics:
+        return ""
+    return ("<details open><summary>where the ranks were when nbdist stopped them</summary>"
+            f"<pre style='max-height:20em;overflow:auto'>{html.escape(job.forensics)}</pre>"
+            "</details>")
 
 
 # -- %dist_status ---------------------------------------------------------------------------------
