@@ -337,3 +337,30 @@ def test_a_timeout_takes_the_stacks_of_a_hung_collective_first() -> None:
     assert "all_reduce" in job.state.forensics
     assert "all_reduce" in status.summary_text(job.state)
     assert "all_reduce" in status.summary_html(job.state)
+
+
+CELL_SESSION_STUCK = """import threading
+lock = threading.Lock()
+lock.acquire()
+print("in", flush=True)
+lock.acquire()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dist_stacks_on_a_session_cell(
+        ip: Any, no_session: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """``%dist_stacks`` on a session's cell shows its ranks at the cell's line, labelled with
+    the cell, and a session's logs go to the folder given at its start."""
+    ip.run_line_magic("dist_session", "start -np 2")
+    cell = ip.run_cell_magic("distributed", "--bg --quiet", CELL_SESSION_STUCK)
+    try:
+        wait_for(lambda: all(r.lines >= 1 for r in cell.state.ranks), 60, "both ranks in")
+        got = cell.stacks()
+        assert got.job_id == cell.id
+        assert got.summary() == "ranks 0, 1: <module> (cell line 6)", got.text()
+    finally:
+        ip.run_line_magic("dist_cancel", cell.id)
+    assert cell.state.log_dir is not None
+    assert "in" in Path(cell.state.log_dir, "rank-0.log").read_text().splitlines()
