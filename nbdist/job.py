@@ -23,7 +23,7 @@ from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, Valu
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
 from nbdist.rank.supervisor import RankOutcome
-from nbdist.stacks import Stacks
+from nbdist.stacks import Stacks, rank_ranges
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
@@ -49,6 +49,17 @@ STACKS_TAIL_LINES = 5
 FORENSICS_S = 2.5
 
 _ids = itertools.count(1)
+
+
+class Forensics:
+    """When the driver takes the ranks' stacks on its own (``%config DistMagics.<name>``)."""
+
+    #: Take them once when a running rank printed nothing for this many seconds (None: never).
+    stacks_when_quiet: float | None = None
+
+
+#: Set by the magics' traits; read at every job's start.
+forensics = Forensics()
 
 
 def new_id(prefix: str = "j") -> str:
@@ -329,6 +340,10 @@ class Job:
             self._timer: threading.Timer | None = timer
         else:
             self._timer = None
+        quiet = forensics.stacks_when_quiet
+        if quiet and not session:
+            threading.Thread(target=self._watch_quiet, args=(quiet,), daemon=True,
+                             name=f"nbdist-quiet-{self.id}").start()
         if self._heartbeat is not None:
             threading.Thread(target=self._keepalive, args=(self._heartbeat,), daemon=True,
                              name=f"nbdist-keepalive-{self.id}").start()
@@ -505,6 +520,19 @@ class Job:
         if not self._done.is_set():
             self._take_forensics()
             self._cancel(f"timed out after {self.timeout:g} s", timeout=True)
+
+    def _watch_quiet(self, seconds: float) -> None:
+        """Take the stacks once, when a running rank printed nothing for ``seconds``."""
+        while not self._done.wait(min(1.0, seconds / 4)):
+            quiet = self.state.quiet_ranks(seconds)
+            if not quiet or self._cancel_reason is not None:
+                continue
+            taken = self.stacks(FORENSICS_S)
+            if taken.groups and not self.state.forensics:
+                self.state.set_forensics(
+                    f"{rank_ranges(quiet)} printed nothing for {seconds:g} s "
+                    f"(%config DistMagics.stacks_when_quiet):\n" + taken.text())
+            return
 
     def _take_forensics(self) -> None:
         """Before stopping a running job: where each rank is, for the error and the views

@@ -302,6 +302,25 @@ class DistMagics(Magics):
         "slots for its ranks again before it fails. --capacity-wait wins. "
         f"Default: {elastic.CAPACITY_WAIT_S:g}.",
     )
+    stacks_when_quiet = Float(
+        None, allow_none=True, config=True,
+        help="Take every rank's stacks once (%dist_stacks, kept in %dist_status JOB and the "
+        "cell's saved output) when a running rank of a job printed nothing for this many "
+        "seconds. Default: None (only on a timeout or a cancel).",
+    )
+
+    @observe("stacks_when_quiet")
+    def _forensics_setting(self, change: Any) -> None:
+        jobs.forensics.stacks_when_quiet = change["new"]
+
+    @validate("stacks_when_quiet")
+    def _valid_quiet(self, proposal: Any) -> float | None:
+        value = proposal["value"]
+        if value is not None and value <= 0:
+            raise TraitError(f"stacks_when_quiet takes a positive number of seconds (or None), "
+                             f"not {value:g}")
+        return value  # type: ignore[no-any-return]
+
     checkpoint_root = Unicode(
         "", config=True,
         help="Where a job that restarts keeps its checkpoint directory "

@@ -53,6 +53,7 @@ class RankState:
     started: float | None = None
     ended: float | None = None
     last_seen: float | None = None  # wall time of the rank's last event (heartbeats included)
+    last_output: float | None = None  # wall time of the rank's last output
     log: collections.deque[Line] = field(
         default_factory=lambda: collections.deque(maxlen=LOG_LINES)
     )
@@ -140,6 +141,7 @@ class JobState:
             if kind == "hb":
                 return  # a heartbeat only says the rank's supervisor is alive
             if kind == "out":
+                r.last_output = r.last_seen
                 text = event.get("text")
                 if isinstance(text, str):
                     self._output_text(r, str(event.get("s", "o")), text)
@@ -304,6 +306,13 @@ class JobState:
     def counts(self) -> dict[str, int]:
         with self.lock:
             return dict(collections.Counter(r.status for r in self.ranks))
+
+    def quiet_ranks(self, seconds: float, now: float | None = None) -> list[int]:
+        """Running ranks that printed nothing for ``seconds`` (or since they started)."""
+        now = time.time() if now is None else now
+        with self.lock:
+            return [r.rank for r in self.ranks if r.status == RUNNING
+                    and now - (r.last_output or r.started or now) >= seconds]
 
     def silent_ranks(self, now: float | None = None) -> list[int]:
         """Ranks not heard of for ``SILENT_AFTER_S`` while they should be talking."""

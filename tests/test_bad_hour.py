@@ -364,3 +364,38 @@ def test_dist_stacks_on_a_session_cell(
         ip.run_line_magic("dist_cancel", cell.id)
     assert cell.state.log_dir is not None
     assert "in" in Path(cell.state.log_dir, "rank-0.log").read_text().splitlines()
+
+
+def _quiet_rank_1(gate: str) -> int:
+    import os
+    import time
+
+    rank = int(os.environ["RANK"])
+    while not os.path.exists(gate):
+        if rank == 0:
+            print("busy", flush=True)  # rank 0 keeps talking, rank 1 is quiet
+        time.sleep(0.1)
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stacks_are_taken_once_a_rank_is_quiet_when_configured(
+        ip: Any, tmp_path: Path) -> None:
+    """With ``%config DistMagics.stacks_when_quiet = 1`` a rank that prints nothing for 1 s
+    gets the job's stacks taken and kept in its state and ``%dist_status``; the job runs on."""
+    gate = tmp_path / "gate"
+    ip.run_line_magic("config", "DistMagics.stacks_when_quiet = 1.0")
+    try:
+        job = nbdist.run(_quiet_rank_1, str(gate), np=2, backend="local")
+        wait_for(lambda: bool(job.state.forensics), 60, "the stacks of the quiet rank")
+        assert job.state.forensics.startswith("rank 1 printed nothing for 1 s")
+        assert "_quiet_rank_1 (" in job.state.forensics
+        gate.write_text("")
+        assert job.results == [0, 1]
+        assert "rank 1 printed nothing for 1 s" in status.ranks_table(job.state)
+        ip.run_line_magic("config", "DistMagics.stacks_when_quiet = -1")  # refused, logged
+        assert jobs.forensics.stacks_when_quiet == 1.0
+    finally:
+        ip.run_line_magic("config", "DistMagics.stacks_when_quiet = None")
+    assert jobs.forensics.stacks_when_quiet is None

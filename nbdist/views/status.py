@@ -288,8 +288,8 @@ def ends_lines(job: JobState) -> list[str]:
     with job.lock:
         lines = [f"rank {r.rank}: {r.end}" for r in job.ranks if r.end][:MAX_TABLE_ROWS]
     if job.forensics:
-        lines.append("where the ranks were when nbdist stopped them:")
-        lines += [f"  {line}" for line in job.forensics.splitlines()[1:]]
+        lines.append("where the ranks were (stacks nbdist took):")
+        lines += [f"  {line}" for line in job.forensics.splitlines()]
     if job.log_dir:
         lines.append(f"logs: every line of rank R in {job.log_dir}/rank-R.log "
                      f"(%dist_status {job.id} --rank R --lines N shows its end)")
@@ -395,7 +395,7 @@ def summary_html(job: JobState) -> str:
 def _forensics_html(job: JobState) -> str:
     if not job.forensics:
         return ""
-    return ("<details open><summary>where the ranks were when nbdist stopped them</summary>"
+    return ("<details open><summary>where the ranks were (stacks nbdist took)</summary>"
             f"<pre style='max-height:20em;overflow:auto'>{html.escape(job.forensics)}</pre>"
             "</details>")
 
