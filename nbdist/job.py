@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pickle
+import queue
 import secrets
 import threading
 import time
@@ -45,6 +46,8 @@ PING_S = state.HEARTBEAT_S
 STACKS_WAIT_S = 3.0
 #: Lines of a rank's output shown for a rank that gave no stacks.
 STACKS_TAIL_LINES = 5
+#: What a rank's pdb asks with; the notebook's prompt says which rank asks.
+PDB_PROMPT = "(Pdb) "
 #: How long a timeout or a cancel waits for the ranks' stacks before it stops them.
 FORENSICS_S = 2.5
 
@@ -296,6 +299,8 @@ class Job:
         self._stacks_asked = 0
         self._stacks: dict[int, dict[int, channel.Event]] = {}  # request → rank → answer
         self._forensics: str | None = None  # the stacks taken before nbdist stopped it
+        #: Ranks' debuggers waiting for a line typed in the notebook: (rank, what they wrote).
+        self._questions: queue.Queue[tuple[int, str]] = queue.Queue()
         self._done = threading.Event()
         self._results: list[Any] = []
         self._size = 0  # pickled size of _results
@@ -379,6 +384,9 @@ class Job:
         kind = event.get("t")
         if kind == "out" and isinstance(text := event.get("text"), str):
             self._logs.write(rank, text)
+        elif kind == "debug":
+            self._questions.put((rank, str(event.get("text", ""))))
+            return
         elif kind == "stacks":
             with self._lock:
                 answers = self._stacks.get(event.get("id"))  # type: ignore[arg-type]
@@ -772,8 +780,36 @@ class Job:
         ``on_tick`` is called about ten times a second while waiting (views render there).
         A KeyboardInterrupt cancels the job, waits for the teardown and re-raises.
         """
-        return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
+        return wait_loop(self._done, timeout, self.with_debugger(on_tick), cancel=self.cancel,
                          teardown_s=TEARDOWN_S)
+
+    def with_debugger(self, on_tick: Callable[[], None] | None) -> Callable[[], None]:
+        """``on_tick``, then the questions of the ranks' debuggers (``breakpoint()``), asked
+        in the waiting thread: the notebook's input box."""
+        def tick() -> None:
+            if on_tick is not None:
+                on_tick()
+            self.serve_debugger()
+        return tick
+
+    def serve_debugger(self) -> None:
+        """Ask the notebook's input box (``input()``: the frontend's stdin in Jupyter, the
+        terminal in IPython) for each line a rank's debugger waits for, labelled with the rank,
+        and send it to that rank."""
+        while True:
+            try:
+                rank, text = self._questions.get_nowait()
+            except queue.Empty:
+                return
+            shown = text.removesuffix(PDB_PROMPT)
+            if shown:
+                print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
+            try:
+                line = input(f"[rank {rank}] {PDB_PROMPT}")
+            except EOFError:  # no input box: let the rank go on
+                line = "c"
+            if not self._done.is_set():
+                self.send(rank, {"t": "debug", "text": line})
 
     def result(self, timeout: float | None = None) -> Any:
         """Rank 0's value; raises :class:`DistributedError` if the job failed."""

@@ -24,7 +24,8 @@ from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError
-from nbdist.protocol import Payload, ScriptPayload
+from nbdist.protocol import CallPayload, Payload, ScriptPayload
+from nbdist.rank import debugger as rank_debugger
 from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
@@ -562,6 +563,34 @@ class DistMagics(Magics):
             raise UsageError(f"--timeout takes a positive number of seconds, not "
                              f"{args.timeout:g}")
         display(job.stacks(args.timeout))
+
+    @magic_arguments()
+    @argument("--rank", type=int, default=None,
+              help="the rank to debug (default: the first that failed)")
+    @line_magic
+    def dist_debug(self, line: str) -> None:
+        """Open a post-mortem debugger on a rank of the session's cell that failed last.
+
+        The debugger runs on the rank, in the frames of its traceback with their live state;
+        type its commands in the notebook's input box (``c`` or ``q`` ends it).
+        """
+        args = parse_argstring(self.dist_debug, line)
+        live = sessions.current()
+        cell = live.last_cell if live is not None and live.alive else None
+        error = cell.error if cell is not None and cell.done() else None
+        failures = getattr(error, "failures", None)
+        if not failures:
+            raise UsageError("%dist_debug opens a debugger on a failed cell of the session "
+                             "(%dist_session start -np N); there is no failed session cell "
+                             "(in a job's cell, put breakpoint() where to stop)")
+        assert live is not None and cell is not None
+        rank = min(failures) if args.rank is None else args.rank
+        if rank not in failures:
+            raise UsageError(f"rank {rank} did not fail in cell {cell.id}; ranks that failed: "
+                             f"{', '.join(map(str, sorted(failures)))}")
+        payload: CallPayload = {"kind": "call", "fn": rank_debugger.post_mortem,
+                                "args": (rank,), "kwargs": {}}
+        self._run(payload, Options(np=None, quiet=True), returns=False, on=live)
 
     @line_magic
     def dist_cancel(self, line: str) -> None:

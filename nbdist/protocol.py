@@ -115,6 +115,7 @@ class Frame:
     RESULT = ord("R")
     PIECE = ord("B")  #: rank → supervisor: a piece of a session cell's value (``nbdist.values``)
     ERROR = ord("X")  #: rank → supervisor: JSON ``ErrorRecord``
+    DEBUG = ord("D")  #: supervisor → rank: a line typed in the notebook for its debugger
 
 
 def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview) -> None:
@@ -457,6 +458,14 @@ class StacksEvent(TypedDict, total=False):
     error: str
 
 
+class DebugEvent(TypedDict):
+    """A rank's debugger (``breakpoint()``) asks for a line: what it wrote since the last
+    question (its prompt last). Driver → rank, the same shape: the line typed."""
+
+    t: Literal["debug"]
+    text: str
+
+
 class ResultEvent(TypedDict, total=False):
     """Interpreter → supervisor: a payload's value follows (its type; a session's: the sizes
     of its pieces)."""
@@ -470,7 +479,8 @@ class ResultEvent(TypedDict, total=False):
 #: supervisor to the driver (the event channel).
 RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
              | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
-             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent)
+             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent
+             | DebugEvent)
 
 
 class WorldEvent(TypedDict):
@@ -524,4 +534,4 @@ class PaceEvent(TypedDict):
 
 #: Everything the driver sends a rank on the event channel.
 DriverEvent = (WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
-               | StacksRequest)
+               | StacksRequest | DebugEvent)

@@ -173,6 +173,11 @@ class Session:
         return not self.done() and not self._stopping and self.broken is None
 
     @property
+    def last_cell(self) -> SessionCell | None:
+        """The cell that ran last (or runs now), None before the first."""
+        return self._cell
+
+    @property
     def busy(self) -> SessionCell | None:
         """The cell running now, if any."""
         cell = self._cell
@@ -594,7 +599,7 @@ class SessionCell:
         tears the session down.
         """
         return wait_loop(
-            self._done, timeout, on_tick, cancel=self.cancel,
+            self._done, timeout, self.session.job.with_debugger(on_tick), cancel=self.cancel,
             teardown_s=INTERRUPT_GRACE_S + STOP_S,
             force=lambda: self.session._fail(f"interrupted twice while cell {self.id} ran"),
         )

@@ -399,3 +399,132 @@ def test_stacks_are_taken_once_a_rank_is_quiet_when_configured(
     finally:
         ip.run_line_magic("config", "DistMagics.stacks_when_quiet = None")
     assert jobs.forensics.stacks_when_quiet is None
+
+
+# -- the debugger ---------------------------------------------------------------------------------
+CELL_BREAKPOINT = """%%distributed -np 2 --quiet
+import os
+rank = int(os.environ["RANK"])
+x = rank * 10
+if rank == 1:
+    breakpoint()
+    x += 1
+x
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_breakpoint_on_a_rank_is_answered_through_the_kernels_stdin() -> None:
+    """``breakpoint()`` on rank 1 asks the notebook's input box (the kernel's stdin channel, as
+    JupyterLab answers it) with a prompt naming the rank; the commands typed run on that rank
+    and ``c`` lets the cell finish with its value."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(Path(__file__).parent.parent))
+    try:
+        kc.execute_interactive("%load_ext nbdist", timeout=60)
+        msg_id = kc.execute(CELL_BREAKPOINT, allow_stdin=True)
+        prompts, answers = [], ["p x", "n", "p x", "c"]
+        out: list[str] = []
+        result = None
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline:
+            try:
+                req = kc.get_stdin_msg(timeout=0.05)
+            except Exception:  # queue.Empty: no question now
+                req = None
+            if req is not None and req["msg_type"] == "input_request":
+                prompts.append(req["content"]["prompt"])
+                kc.input(answers[len(prompts) - 1])
+            try:
+                msg = kc.get_iopub_msg(timeout=0.05)
+            except Exception:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind == "execute_result":
+                result = msg["content"]["data"]["text/plain"]
+            elif kind == "error":
+                raise AssertionError("\n".join(msg["content"]["traceback"]))
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                break
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    text = "".join(out)
+    assert prompts == ["[rank 1] (Pdb) "] * 4, (prompts, text)
+    assert "-> x += 1" in text and "\n10\n" in text and "\n11\n" in text, text
+    assert result == "0"
+
+
+CELL_FAILS_ON_RANK_1 = """import os
+rank = int(os.environ["RANK"])
+secret = rank * 7
+if rank == 1:
+    raise ValueError("boom")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dist_debug_opens_a_post_mortem_on_the_failed_rank_of_a_session_cell(
+        ip: Any, no_session: None, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """After a session cell failed on rank 1, ``%dist_debug`` opens pdb on that rank in the
+    failed frame with its live variables, asking through the notebook's ``input()``; without
+    a failed session cell it is a usage error."""
+    with pytest.raises(UsageError, match="no failed session cell"):
+        ip.run_line_magic("dist_debug", "")
+    ip.run_line_magic("dist_session", "start -np 2")
+    with pytest.raises(DistributedError, match="boom"):
+        ip.run_cell_magic("distributed", "--quiet", CELL_FAILS_ON_RANK_1)
+    with pytest.raises(UsageError, match="rank 0 did not fail"):
+        ip.run_line_magic("dist_debug", "--rank 0")
+    prompts: list[str] = []
+    answers = iter(["p secret", "p rank", "q"])
+
+    def typed(prompt: str = "") -> str:
+        prompts.append(prompt)
+        return next(answers)
+
+    monkeypatch.setattr("builtins.input", typed)
+    capsys.readouterr()
+    ip.run_line_magic("dist_debug", "")
+    out = capsys.readouterr().out
+    assert prompts == ["[rank 1] (Pdb) "] * 3, (prompts, out)
+    assert "raise ValueError" in out and "\n7\n1\n" in out, out
+
+
+def _breakpoint_on_rank_1() -> int:
+    import os
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        breakpoint()
+    return rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_debugger_nobody_answers_does_not_hold_the_job_past_its_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank stopped in ``breakpoint()`` with nobody typing is ended by the job's timeout:
+    the job fails as timed out, with the rank's stacks in the debugger, while the input box
+    still waits."""
+    holder: dict[str, Any] = {}
+
+    def nobody(prompt: str = "") -> str:
+        wait_for(lambda: holder["job"].done(), 60, "the job's timeout")
+        return "c"
+
+    monkeypatch.setattr("builtins.input", nobody)
+    job = holder["job"] = nbdist.run(_breakpoint_on_rank_1, np=2, backend="local", timeout=8)
+    with pytest.raises(DistributedError) as info:
+        job.result(timeout=90)
+    assert info.value.reason == "timeout"
+    stacks = info.value.stacks
+    assert "rank 1: wait ← get ← cmdloop ← " in stacks and "_breakpoint_on_rank_1" in stacks

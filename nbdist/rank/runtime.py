@@ -52,7 +52,7 @@ from nbdist.protocol import (
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import reporting
+from nbdist.rank import debugger, reporting
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
 
@@ -535,6 +535,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                 _flush_all()
                 if payload.get("session"):
                     _mark_synced()
+                    debugger.last_traceback = exc.__traceback__  # for %dist_debug
                 chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
                 if not payload.get("keep"):
                     return
@@ -623,8 +624,12 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.INTERRUPT:
                 _cells.interrupt(int(frame[1]))
                 continue
+            if frame[0] == Frame.DEBUG:
+                debugger.inbox.put(frame[1].decode("utf-8", "replace"))
+                continue
             inbox.put(frame)
         inbox.put(None)
+        debugger.inbox.put(None)
         if not done.is_set():
             _kill_descendants()
             os.killpg(os.getpgid(0), signal.SIGKILL)
@@ -638,6 +643,7 @@ def main(guard: bool = True) -> None:
     pacer.install()
     _guard_forks(pacer)
     ready: StateEvent = {"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()}
+    debugger.install(lambda text: chan.event({"t": "debug", "text": text}))
     stacks = register_stack_dumps()
     if stacks is not None:
         ready["stacks"] = stacks

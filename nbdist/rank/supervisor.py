@@ -364,6 +364,8 @@ class Supervisor:
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
+        elif msg.get("t") == "debug" and self._rp is not None:
+            self._rp.send(Frame.DEBUG, str(msg.get("text", "")).encode())
         elif msg.get("t") == "stacks":
             # Off the client's reader thread: the dump takes up to STACKS_S.
             threading.Thread(target=self._answer_stacks, args=(msg.get("id"),), daemon=True,
