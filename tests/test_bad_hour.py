@@ -528,3 +528,12 @@ def test_a_debugger_nobody_answers_does_not_hold_the_job_past_its_timeout(
     assert info.value.reason == "timeout"
     stacks = info.value.stacks
     assert "rank 1: wait ← get ← cmdloop ← " in stacks and "_breakpoint_on_rank_1" in stacks
+
+
+def test_the_panel_points_to_the_log_files_for_the_lines_it_does_not_show() -> None:
+    """A log pane that shows only the last lines says where every line is."""
+    from nbdist.views import widget
+
+    pane = widget._log_html([("", "x")], 5, log_dir="/tmp/logs/j1")
+    assert "5 earlier lines not shown here (every line is in the ranks&#x27; log files in " \
+           "/tmp/logs/j1)" in pane
