@@ -404,8 +404,15 @@ class ElasticJob:
 
     def wait(self, timeout: float | None = None,
              on_tick: Callable[[], None] | None = None) -> bool:
-        """Block until the last attempt is over (True) or ``timeout`` passed (False)."""
-        return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
+        """Block until the last attempt is over (True) or ``timeout`` passed (False).
+
+        Meanwhile the questions of the current attempt's debuggers (``breakpoint()``) are
+        asked in this thread, as a job's are.
+        """
+        def tick() -> None:
+            self._current.with_debugger(on_tick)()
+
+        return wait_loop(self._done, timeout, tick, cancel=self.cancel,
                          teardown_s=jobs.TEARDOWN_S)
 
     def result(self, timeout: float | None = None) -> Any:

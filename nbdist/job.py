@@ -795,7 +795,10 @@ class Job:
     def serve_debugger(self) -> None:
         """Ask the notebook's input box (``input()``: the frontend's stdin in Jupyter, the
         terminal in IPython) for each line a rank's debugger waits for, labelled with the rank,
-        and send it to that rank."""
+        and send it to that rank. Only in the main thread, where a cell runs and waits: a
+        job that restarts waits on its attempts from a thread of its own, which must not ask."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         while True:
             try:
                 rank, text = self._questions.get_nowait()

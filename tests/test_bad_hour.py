@@ -537,3 +537,20 @@ def test_the_panel_points_to_the_log_files_for_the_lines_it_does_not_show() -> N
     pane = widget._log_html([("", "x")], 5, log_dir="/tmp/logs/j1")
     assert "5 earlier lines not shown here (every line is in the ranks&#x27; log files in " \
            "/tmp/logs/j1)" in pane
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_breakpoint_in_a_job_that_restarts_is_asked_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that restarts (``--max-restarts``) asks its current attempt's debuggers in the
+    waiting thread as a plain job does."""
+    answers, prompts = iter(["p rank", "c"]), []
+
+    def typed(prompt: str = "") -> str:
+        prompts.append(prompt)
+        return next(answers)
+
+    monkeypatch.setattr("builtins.input", typed)
+    job = nbdist.run(_breakpoint_on_rank_1, np=2, backend="local", timeout=60, max_restarts=1)
+    assert job.results == [0, 1]
+    assert prompts == ["[rank 1] (Pdb) "] * 2
