@@ -710,7 +710,8 @@ class Supervisor:
         if proc is None or proc.poll() is not None or pid is None:
             return "", "the rank is not running"
         if path is None:
-            return "", "the rank's interpreter takes no stack dumps (it has no SIGUSR2)"
+            return "", ("the rank's interpreter takes no stack dumps (no SIGUSR2 on this "
+                        "platform, or no temporary folder it could write them to)")
         with self._stacks_lock:
             try:
                 with open(path, "rb") as f:
