@@ -37,6 +37,7 @@ from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason
 from nbdist.launch import backends
 from nbdist.options import JobOptions, Restarts
 from nbdist.protocol import CallPayload, Payload, RankOutcome
+from nbdist.stacks import Stacks
 from nbdist.state import Attempt, ElasticState
 from nbdist.waiting import wait_loop
 
@@ -199,7 +200,8 @@ class ElasticJob(jobs.Handle):
         if self._mlflow is not None:
             self._state.metrics_sink = self._mlflow.put
         # Each attempt is a plain job: the restarts, the time left and MLflow are this job's.
-        self._attempt_options = JobOptions(gpu=options.gpu, env=env, label=label)
+        self._attempt_options = JobOptions(gpu=options.gpu, env=env, label=label,
+                                           log_dir=options.log_dir)
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self.timeout = timeout
         self._stop = threading.Event()
@@ -393,13 +395,24 @@ class ElasticJob(jobs.Handle):
 
     def wait(self, timeout: float | None = None,
              on_tick: Callable[[], None] | None = None) -> bool:
-        """Block until the last attempt is over (True) or ``timeout`` passed (False)."""
-        return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
+        """Block until the last attempt is over (True) or ``timeout`` passed (False).
+
+        Meanwhile the questions of the current attempt's debuggers (``breakpoint()``) are
+        asked in this thread, as a job's are.
+        """
+        def tick() -> None:
+            self._current.with_debugger(on_tick)()
+
+        return wait_loop(self._done, timeout, tick, cancel=self.cancel,
                          teardown_s=jobs.TEARDOWN_S)
 
     def _holder(self) -> jobs.Handle:
         """The values are the last attempt's (the one that succeeded, if any did)."""
         return self._current
+
+    def stacks(self, timeout: float = jobs.STACKS_WAIT_S) -> Stacks:
+        """The stacks of the current attempt's ranks (``%dist_stacks``)."""
+        return self._current.stacks(timeout, job_id=self.id)
 
     def __repr__(self) -> str:
         return (f"<nbdist job {self.id}: {self.np} ranks on {self.state.backend}, "

@@ -116,6 +116,9 @@ class DistributedError(RuntimeError):
         Rank → remote traceback (or the exit status and last output lines) of every rank that
         failed on its own; ranks that nbdist tore down afterwards are not in it. A failure
         nbdist knows the fix for ends with a line starting ``nbdist hint:`` (``hints.py``).
+    stacks : str
+        Where every rank was when nbdist stopped the job (a timeout, a cancel): the ranks'
+        stacks, grouped (``nbdist.stacks``); "" when none were taken.
     """
 
     def __init__(
@@ -125,14 +128,17 @@ class DistributedError(RuntimeError):
         job_id: str = "",
         reason: Reason | str = Reason.FAILED,
         failures: Mapping[int, str] | None = None,
+        stacks: str = "",
     ) -> None:
         super().__init__(message)
         self.job_id = job_id
         self.reason = Reason(reason)
         self.failures = {rank: with_hint(text) for rank, text in (failures or {}).items()}
+        self.stacks = stacks
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild, (str(self), self.job_id, self.reason.value, self.failures))
+        return (_rebuild, (str(self), self.job_id, self.reason.value, self.failures,
+                           self.stacks))
 
     def _render_traceback_(self) -> list[str]:
         """Let IPython show the ranks' tracebacks instead of nbdist's own frames."""
@@ -146,8 +152,14 @@ class DistributedError(RuntimeError):
             lines.append("")
             lines.append(f"--- rank {rank} " + "-" * 60)
             lines.extend(body)
+        if self.stacks:
+            lines.append("")
+            lines.append("--- where the ranks were when nbdist stopped them " + "-" * 26)
+            lines.extend(self.stacks.splitlines())
         return lines
 
 
-def _rebuild(message: str, job_id: str, reason: str, failures: dict[int, str]) -> DistributedError:
-    return DistributedError(message, job_id=job_id, reason=reason, failures=failures)
+def _rebuild(message: str, job_id: str, reason: str, failures: dict[int, str],
+             stacks: str = "") -> DistributedError:
+    return DistributedError(message, job_id=job_id, reason=reason, failures=failures,
+                            stacks=stacks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pickle
+import queue
 import secrets
 import threading
 import time
@@ -19,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nbdist import _pickling, channel, events, launch, state, timeline, tracking
+from nbdist import _pickling, channel, events, launch, logfiles, state, timeline, tracking
 from nbdist._timer import after
 from nbdist.errors import (
     DistributedError,
@@ -39,6 +40,7 @@ from nbdist.protocol import (
     RankOutcome,
     RankStatus,
 )
+from nbdist.stacks import Stacks, rank_ranges
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
@@ -56,8 +58,27 @@ DRAIN_S = 10.0
 #: How often the driver pings the ranks of a remote job (they stop when they hear nothing
 #: for their heartbeat timeout) and looks for ranks it has not heard of itself.
 PING_S = state.HEARTBEAT_S
+#: How long ``stacks()`` waits for the ranks' answers (a supervisor gives a dump 2 s).
+STACKS_WAIT_S = 3.0
+#: Lines of a rank's output shown for a rank that gave no stacks.
+STACKS_TAIL_LINES = 5
+#: What a rank's pdb asks with; the notebook's prompt says which rank asks.
+PDB_PROMPT = "(Pdb) "
+#: How long a timeout or a cancel waits for the ranks' stacks before it stops them.
+FORENSICS_S = 2.5
 
 _ids = itertools.count(1)
+
+
+class Forensics:
+    """When the driver takes the ranks' stacks on its own (``%config DistMagics.<name>``)."""
+
+    #: Take them once when a running rank printed nothing for this many seconds (None: never).
+    stacks_when_quiet: float | None = None
+
+
+#: Set by the magics' traits; read at every job's start.
+forensics = Forensics()
 
 
 def new_id(prefix: str = "j") -> str:
@@ -164,6 +185,10 @@ class Handle:
             return self._size
         # Nothing until the work is over: the holder's own end counts its values then.
         return holder.retained_bytes() if self._done.is_set() else 0
+
+    def stacks(self, timeout: float = STACKS_WAIT_S) -> Stacks:
+        """Every live rank's stacks, grouped (``%dist_stacks``)."""
+        raise NotImplementedError
 
     def drop_values(self) -> None:
         """Let its values go (see ``HISTORY_BYTES``): ``result()`` then says so."""
@@ -298,6 +323,9 @@ class Job(Handle):
         self.state = job_state if job_state is not None else state.JobState(
             self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
+        # Every line of every rank, in a file per rank (an attempt appends to its job's).
+        self._logs = logfiles.RankLogs(options.log_dir or logfiles.default_dir(self.state.id))
+        self.state.log_dir = self._logs.folder
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
@@ -319,6 +347,12 @@ class Job(Handle):
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
+        self._stacks_in = threading.Condition(self._lock)  # answers to stacks requests
+        self._stacks_asked = 0
+        self._stacks: dict[int, dict[int, channel.Event]] = {}  # request → rank → answer
+        self._forensics: str | None = None  # the stacks taken before nbdist stopped it
+        #: Ranks' debuggers waiting for a line typed in the notebook: (rank, what they wrote).
+        self._questions: queue.Queue[tuple[int, str]] = queue.Queue()
         self._started = time.monotonic()
         #: Ranks the driver stopped hearing from while their connection stayed open (a host
         #: or network cut off), by host: they are what the job's error names.
@@ -362,6 +396,10 @@ class Job(Handle):
             raise
         if timeout is not None:
             self._timer = after(timeout, self._on_timeout)
+        quiet = forensics.stacks_when_quiet
+        if quiet and not session:
+            threading.Thread(target=self._watch_quiet, args=(quiet,), daemon=True,
+                             name=f"nbdist-quiet-{self.id}").start()
         if self._heartbeat is not None:
             threading.Thread(target=self._keepalive, args=(self._heartbeat,), daemon=True,
                              name=f"nbdist-keepalive-{self.id}").start()
@@ -395,6 +433,19 @@ class Job(Handle):
             self.send(rank_, {"t": "world", "env": env})
 
     def on_event(self, rank: int, event: channel.Event) -> None:
+        kind = event.get("t")
+        if kind == "out" and isinstance(text := event.get("text"), str):
+            self._logs.write(rank, text)
+        elif kind == "debug":
+            self._questions.put((rank, str(event.get("text", ""))))
+            return
+        elif kind == "stacks":
+            with self._lock:
+                answers = self._stacks.get(event.get("id"))  # type: ignore[arg-type]
+                if answers is not None:
+                    answers[rank] = event
+                    self._stacks_in.notify_all()
+            return
         if self._owner is not None and self._owner.on_event(self, rank, event):
             return
         self.state.apply(rank, event)
@@ -484,9 +535,13 @@ class Job(Handle):
                 })
         if outcome.lost_lines and outcome.tail:
             # The rank's live output never arrived; its last lines came with its outcome.
+            self._logs.write(outcome.rank, "".join(f"{t}\n" for t in outcome.tail))
             self.state.apply(outcome.rank, {"t": "out", "s": "o",
                                             "text": "".join(f"{t}\n" for t in outcome.tail)})
         self.state.set_rank(outcome.rank, outcome.status, outcome.exit_code)
+        if outcome.status == RankStatus.FAILED or outcome.peak_rss:
+            self.state.set_end(outcome.rank, outcome.how() if outcome.status ==
+                               RankStatus.FAILED else "", outcome.peak_rss)
         with self._lock:
             self._outcomes[outcome.rank] = outcome
             first = outcome.status == RankStatus.FAILED and self._first_failure is None
@@ -523,7 +578,38 @@ class Job(Handle):
 
     def _on_timeout(self) -> None:
         if not self._done.is_set():
+            self._take_forensics()
             self._cancel(f"timed out after {self.timeout:g} s", timeout=True)
+
+    def _watch_quiet(self, seconds: float) -> None:
+        """Take the stacks once, when a running rank printed nothing for ``seconds``."""
+        while not self._done.wait(min(1.0, seconds / 4)):
+            quiet = self.state.quiet_ranks(seconds)
+            if not quiet or self._cancel_reason is not None:
+                continue
+            taken = self.stacks(FORENSICS_S)
+            if taken.groups and not self.state.forensics:
+                self.state.set_forensics(
+                    f"{rank_ranges(quiet)} printed nothing for {seconds:g} s "
+                    f"(%config DistMagics.stacks_when_quiet):\n" + taken.text())
+            return
+
+    def _take_forensics(self) -> None:
+        """Before stopping a running job: where each rank is, for the error and the views
+        (bounded by ``FORENSICS_S``)."""
+        with self._lock:
+            if self._cancel_reason is not None or self._forensics is not None:
+                return
+            running = [r for r in range(self.np) if r not in self._outcomes]
+        if not running:
+            return
+        try:
+            taken = self.stacks(FORENSICS_S)
+        except Exception:  # forensics never stand in the way of the cancel
+            return
+        if taken.groups:
+            self._forensics = taken.text()
+            self.state.set_forensics(self._forensics)
 
     def _cancel(self, reason: str, *, timeout: bool = False) -> None:
         with self._lock:
@@ -542,6 +628,7 @@ class Job(Handle):
         if self._timer is not None:
             self._timer.cancel()
         self._server.remove_job(self.id)
+        self._logs.close()
         outcomes = [self._outcomes[r] for r in range(self.np)]
         failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
@@ -555,6 +642,7 @@ class Job(Handle):
             error = DistributedError(
                 f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
                 f"were stopped", job_id=self.id, reason=Reason.CANCELLED,
+                stacks=self._forensics or "",
             )
         if error is None:
             try:
@@ -568,7 +656,8 @@ class Job(Handle):
         self._lost = _lost_output(outcomes, self.address)
         if self._lost is not None and isinstance(error, DistributedError):
             error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
-                                     reason=error.reason, failures=error.failures)
+                                     reason=error.reason, failures=error.failures,
+                                     stacks=error.stacks)
         self._error = error
         final = state.DONE if error is None else (
             state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else state.FAILED
@@ -661,6 +750,7 @@ class Job(Handle):
             f"job {self.id} timed out after {self.timeout:g} s (--timeout); ranks still "
             f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped",
             job_id=self.id, reason=Reason.TIMEOUT, failures=failures,
+            stacks=self._forensics or "",
         )
 
     # -- public -----------------------------------------------------------------------------
@@ -678,10 +768,58 @@ class Job(Handle):
         """Send ``event`` to ``rank`` on the event channel; False if it is not connected."""
         return self._server.send(self.id, rank, event)
 
+    def stacks(self, timeout: float = STACKS_WAIT_S, job_id: str | None = None) -> Stacks:
+        """The stacks of every thread of every rank still running, grouped (``nbdist.stacks``).
+
+        Each rank's supervisor has its interpreter write them (``faulthandler``: also from C
+        code); a rank that gives none within ``timeout`` is named with its last lines.
+        """
+        started = time.monotonic()
+        with self._lock:
+            self._stacks_asked += 1
+            req = self._stacks_asked
+            answers: dict[int, channel.Event] = {}
+            self._stacks[req] = answers
+            live = [r for r in range(self.np) if r not in self._outcomes]
+        asked = [r for r in live if self.send(r, {"t": "stacks", "id": req})]
+        with self._lock:
+            self._stacks_in.wait_for(lambda: len(answers) >= len(asked), timeout)
+            self._stacks.pop(req, None)
+            got = dict(answers)
+        dumps: dict[int, str] = {}
+        missing: dict[int, str] = {}
+        for rank in live:
+            answer = got.get(rank)
+            text = answer.get("text") if answer is not None else None
+            if isinstance(text, str) and text:
+                dumps[rank] = text
+                continue
+            if answer is not None:
+                why = str(answer.get("error") or "no stacks")
+            elif rank in asked:
+                why = f"did not answer within {timeout:g} s"
+            else:
+                why = "is not connected to the driver"
+            r = self.state.ranks[rank]
+            with self.state.lock:
+                tail = [ln.text for ln in list(r.log)[-STACKS_TAIL_LINES:]]
+            missing[rank] = why + ("; its last lines:\n" + "\n".join(tail) if tail else
+                                   "; it printed nothing")
+        return Stacks.from_dumps(job_id or self.state.id, dumps, missing,
+                                 time.monotonic() - started)
+
     def cancel(self, reason: str = "cancelled by the user") -> None:
-        """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled."""
+        """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled.
+
+        The stacks of the ranks still running are taken first (at most ``FORENSICS_S``) and
+        kept with the job's error and state: where a hung job hung.
+        """
         if not self._done.is_set():
-            self._cancel(reason)
+            try:
+                if self._owner is None:  # a session's ranks between cells hang nowhere
+                    self._take_forensics()
+            finally:  # a second interrupt while the stacks come in still cancels
+                self._cancel(reason)
 
     def wait(
         self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
@@ -691,8 +829,39 @@ class Job(Handle):
         ``on_tick`` is called about ten times a second while waiting (views render there).
         A KeyboardInterrupt cancels the job, waits for the teardown and re-raises.
         """
-        return wait_loop(self._done, timeout, on_tick, cancel=self.cancel,
+        return wait_loop(self._done, timeout, self.with_debugger(on_tick), cancel=self.cancel,
                          teardown_s=TEARDOWN_S)
+
+    def with_debugger(self, on_tick: Callable[[], None] | None) -> Callable[[], None]:
+        """``on_tick``, then the questions of the ranks' debuggers (``breakpoint()``), asked
+        in the waiting thread: the notebook's input box."""
+        def tick() -> None:
+            if on_tick is not None:
+                on_tick()
+            self.serve_debugger()
+        return tick
+
+    def serve_debugger(self) -> None:
+        """Ask the notebook's input box (``input()``: the frontend's stdin in Jupyter, the
+        terminal in IPython) for each line a rank's debugger waits for, labelled with the rank,
+        and send it to that rank. Only in the main thread, where a cell runs and waits: a
+        job that restarts waits on its attempts from a thread of its own, which must not ask."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        while True:
+            try:
+                rank, text = self._questions.get_nowait()
+            except queue.Empty:
+                return
+            shown = text.removesuffix(PDB_PROMPT)
+            if shown:
+                print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
+            try:
+                line = input(f"[rank {rank}] {PDB_PROMPT}")
+            except EOFError:  # no input box: let the rank go on
+                line = "c"
+            if not self._done.is_set():
+                self.send(rank, {"t": "debug", "text": line})
 
     @property
     def outcomes(self) -> dict[int, RankOutcome]:

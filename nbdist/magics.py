@@ -13,7 +13,7 @@ import shlex
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
@@ -21,14 +21,15 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, waiting
+from nbdist import _logcarry, elastic, events, launch, logfiles, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError, PullWarning
 from nbdist.launch import backends
 from nbdist.options import JobOptions, Restarts
-from nbdist.protocol import Payload, Pulled, ScriptPayload
+from nbdist.protocol import CallPayload, Payload, Pulled, ScriptPayload
+from nbdist.rank import debugger as rank_debugger
 from nbdist.views import LiveView, live_view, status
 from nbdist.views import timeline as timeline_view
 from nbdist.views.session import SessionReport
@@ -50,6 +51,17 @@ class Options:
     script_args: list[str] = field(default_factory=list)
 
 
+class StatusArgs(NamedTuple):
+    """``%dist_status``'s arguments."""
+
+    job: str | None
+    timeline: bool
+    trace: str | None
+    ranks: str | None = None  # --ranks SPEC: the ranks to list
+    rank: int | None = None  # --rank R: the end of that rank's log
+    lines: int = 20  # --lines N
+
+
 #: Why a persistent session cannot restart (``--max-restarts`` with a session's cells).
 SESSION_RESTARTS = (
     "--max-restarts relaunches every rank after a fault, and a session's ranks keep what earlier "
@@ -59,38 +71,54 @@ SESSION_RESTARTS = (
 )
 
 
-def parse_status(line: str) -> tuple[str | None, bool, str | None, str | None]:
-    """``%dist_status``'s arguments: the job, ``--timeline``, ``--trace PATH`` and
-    ``--ranks SPEC``."""
+def parse_status(line: str) -> StatusArgs:
+    """``%dist_status``'s arguments: the job, ``--timeline``, ``--trace PATH``, ``--ranks
+    SPEC``, ``--rank R`` and ``--lines N``."""
     job_id: str | None = None
     show_timeline, trace, ranks = False, None, None
+    rank: int | None = None
+    lines: int | None = None
     args = iter(shlex.split(line))
     for arg in args:
+        name, eq, value = arg.partition("=")
         if arg == "--timeline":
             show_timeline = True
-        elif arg == "--ranks" or arg.startswith("--ranks="):
-            ranks = arg.partition("=")[2] or next(args, "")
+        elif name == "--ranks":
+            ranks = value if eq else next(args, "")
             if not ranks:
                 raise UsageError("--ranks takes the ranks to list: all, 8-15, failed, silent, "
                                  "outliers, host=NAME (e.g. %dist_status JOB --ranks all)")
-        elif arg == "--trace" or arg.startswith("--trace="):
-            trace = arg.partition("=")[2] or next(args, "")
+        elif name == "--trace":
+            trace = value if eq else next(args, "")
             if not trace:
                 raise UsageError("--trace takes the path of the trace file to write "
                                  "(e.g. --trace launch.json)")
+        elif name in ("--rank", "--lines"):
+            text = value if eq else next(args, "")
+            if not text.isdigit():
+                raise UsageError(f"{name} takes a whole number (e.g. %dist_status j3 --rank 1 "
+                                 f"--lines 50), not {text!r}")
+            if name == "--rank":
+                rank = int(text)
+            else:
+                lines = int(text)
         elif arg.startswith("-"):
             raise UsageError(f"%dist_status: unknown option {arg!r} (options: --timeline, "
-                             f"--trace PATH, --ranks SPEC)")
+                             f"--trace PATH, --ranks SPEC, --rank R, --lines N)")
         elif job_id is None:
             job_id = arg
         else:
             raise UsageError(f"%dist_status takes one job, not {job_id!r} and {arg!r}")
-    if job_id is None and (show_timeline or trace is not None or ranks is not None):
-        raise UsageError("--timeline, --trace and --ranks need a job: %dist_status JOB "
-                         "--timeline (%dist_status lists the jobs)")
+    if job_id is None and (show_timeline or trace is not None or ranks is not None
+                           or rank is not None or lines is not None):
+        raise UsageError("--timeline, --trace, --ranks, --rank and --lines need a job: "
+                         "%dist_status JOB --timeline (%dist_status lists the jobs)")
+    if lines is not None and rank is None:
+        raise UsageError("--lines N shows the end of one rank's log: add --rank R "
+                         "(e.g. %dist_status j3 --rank 1 --lines 50)")
     if trace is not None and (problem := timeline_view.trace_target_problem(trace)) is not None:
         raise UsageError(f"--trace {trace}: {problem}")
-    return job_id, show_timeline, trace, ranks
+    return StatusArgs(job_id, show_timeline, trace, ranks, rank, 20 if lines is None else lines)
 
 
 def _launch_arguments(func: Any) -> Any:
@@ -105,6 +133,9 @@ def _launch_arguments(func: Any) -> Any:
         argument("--no-gpu", dest="gpu", action="store_false", help="no GPUs for the ranks"),
         argument("--env", action="append", metavar="KEY=VALUE",
                  help="extra environment variable for every rank (repeatable)"),
+        argument("--log-dir", metavar="DIR",
+                 help="write every line of rank R to DIR/rank-R.log (default: a folder of the "
+                 "job's under the temporary folder, named by %%dist_status JOB)"),
     )):
         func = decorate(func)
     return func
@@ -141,10 +172,11 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if np is None and not session:
         raise UsageError("%%distributed needs -np N: the number of ranks (e.g. -np 2), or a "
                          "session to run on: %dist_session start -np N")
-    if np is None and (args.backend != "auto" or args.gpu is not None or args.env):
-        raise UsageError("--backend, --gpu and --env are set once for a session, when it "
-                         "starts (%dist_session start -np N --env KEY=VALUE); give -np N to "
-                         "run this cell as a job of its own instead")
+    log_dir = parse_log_dir(args.log_dir)
+    if np is None and (args.backend != "auto" or args.gpu is not None or args.env or log_dir):
+        raise UsageError("--backend, --gpu, --env and --log-dir are set once for a session, "
+                         "when it starts (%dist_session start -np N --env KEY=VALUE); give -np "
+                         "N to run this cell as a job of its own instead")
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError(f"--timeout takes a positive number of seconds, not {args.timeout:g}")
     env = _parse_env(args.env)
@@ -167,12 +199,23 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
     job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
-                     mlflow=mlflow, restarts=restarts)
+                     mlflow=mlflow, log_dir=log_dir, restarts=restarts)
     return Options(
         np=np, job=job, output=args.output, quiet=args.quiet, bg=getattr(args, "bg", False),
         show_source=args.show_source, export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
     )
+
+
+def parse_log_dir(value: str | None) -> str | None:
+    """``--log-dir DIR``: an absolute path that is a folder or can become one."""
+    if value is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--log-dir {value}: {path!r} is a file, not a folder; give a folder "
+                         f"for the ranks' logs (rank-R.log in it)")
+    return path
 
 
 def _parse_restarts(args: argparse.Namespace, np: int | None) -> Restarts:
@@ -260,6 +303,25 @@ class DistMagics(Magics):
         "slots for its ranks again before it fails. --capacity-wait wins. "
         f"Default: {elastic.CAPACITY_WAIT_S:g}.",
     )
+    stacks_when_quiet = Float(
+        None, allow_none=True, config=True,
+        help="Take every rank's stacks once (%dist_stacks, kept in %dist_status JOB and the "
+        "cell's saved output) when a running rank of a job printed nothing for this many "
+        "seconds. Default: None (only on a timeout or a cancel).",
+    )
+
+    @observe("stacks_when_quiet")
+    def _forensics_setting(self, change: Any) -> None:
+        jobs.forensics.stacks_when_quiet = change["new"]
+
+    @validate("stacks_when_quiet")
+    def _valid_quiet(self, proposal: Any) -> float | None:
+        value = proposal["value"]
+        if value is not None and value <= 0:
+            raise TraitError(f"stacks_when_quiet takes a positive number of seconds (or None), "
+                             f"not {value:g}")
+        return value  # type: ignore[no-any-return]
+
     checkpoint_root = Unicode(
         "", config=True,
         help="Where a job that restarts keeps its checkpoint directory "
@@ -445,17 +507,26 @@ class DistMagics(Magics):
         """Show this kernel's nbdist jobs and the capacity of the backends in use.
 
         ``%dist_status JOB`` shows one job's ranks: state, host, pid, GPU, exit code, CPU and
-        memory, last lines. ``%dist_status JOB --timeline`` shows where its launch time went
+        memory, last lines, where each rank's complete log is, and how a rank that failed
+        died (its peak memory, the signal, the out-of-memory killer).
+        ``%dist_status JOB --rank R --lines N`` shows the last N lines (default 20) of rank
+        R's log file. ``%dist_status JOB --timeline`` shows where its launch time went
         per rank (a table and a bar per rank); ``--trace PATH`` writes it as a Chrome trace
         file for Perfetto or chrome://tracing. A job of more than 16 ranks shows a summary
         line, a row per host and the ranks worth a look; ``--ranks SPEC`` lists the ranks SPEC
         names (``all``, ``8-15``, ``failed``, ``silent``, ``outliers``, ``host=NAME``).
         """
-        job_id, show_timeline, trace, ranks = parse_status(line)
+        job_id, show_timeline, trace, ranks, rank, lines = parse_status(line)
         if job_id is not None:
             job = jobs.get_job(job_id)
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
+            if rank is not None:
+                try:
+                    print(logfiles.tail_text(job.state, rank, lines))
+                except ValueError as exc:
+                    raise UsageError(str(exc)) from None
+                return
             if trace is not None:
                 try:
                     print(timeline_view.export_trace(job.state, trace))
@@ -472,6 +543,59 @@ class DistMagics(Magics):
             return
         display(status.JobsReport([j.state for j in jobs.jobs()], backends.capacities(),
                                   rejected=events.rejected_connections()))
+
+    @magic_arguments()
+    @argument("job", nargs="?", help="the job (default: the one running)")
+    @argument("--timeout", type=float, default=jobs.STACKS_WAIT_S, metavar="SECONDS",
+              help="how long to wait for the ranks' answers (default %(default)s)")
+    @line_magic
+    def dist_stacks(self, line: str) -> None:
+        """Show the Python stacks of every thread of every running rank, grouped.
+
+        Ranks with the same stacks fold into one line (``ranks 0–2, 4–7: all_reduce ← step
+        (cell line 41)``), then each group's frames. Works while a rank is stuck in C code (a
+        collective, a lock). A rank that does not answer is named with its last lines.
+        """
+        args = parse_argstring(self.dist_stacks, line)
+        job = jobs.get_job(args.job)
+        if job is None:
+            raise UsageError(f"no job {args.job!r}; %dist_status lists the jobs" if args.job
+                             else "no nbdist job to show the stacks of")
+        if job.done():
+            raise UsageError(f"job {job.id} already ended ({job.state.status}): only running "
+                             f"ranks have stacks; %dist_status {job.id} shows how they ended")
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout takes a positive number of seconds, not "
+                             f"{args.timeout:g}")
+        display(job.stacks(args.timeout))
+
+    @magic_arguments()
+    @argument("--rank", type=int, default=None,
+              help="the rank to debug (default: the first that failed)")
+    @line_magic
+    def dist_debug(self, line: str) -> None:
+        """Open a post-mortem debugger on a rank of the session's cell that failed last.
+
+        The debugger runs on the rank, in the frames of its traceback with their live state;
+        type its commands in the notebook's input box (``c`` or ``q`` ends it).
+        """
+        args = parse_argstring(self.dist_debug, line)
+        live = sessions.current()
+        cell = live.last_cell if live is not None and live.alive else None
+        error = cell.error if cell is not None and cell.done() else None
+        failures = getattr(error, "failures", None)
+        if not failures:
+            raise UsageError("%dist_debug opens a debugger on a failed cell of the session "
+                             "(%dist_session start -np N); there is no failed session cell "
+                             "(in a job's cell, put breakpoint() where to stop)")
+        assert live is not None and cell is not None
+        rank = min(failures) if args.rank is None else args.rank
+        if rank not in failures:
+            raise UsageError(f"rank {rank} did not fail in cell {cell.id}; ranks that failed: "
+                             f"{', '.join(map(str, sorted(failures)))}")
+        payload: CallPayload = {"kind": "call", "fn": rank_debugger.post_mortem,
+                                "args": (rank,), "kwargs": {}}
+        self._run(payload, Options(np=None, quiet=True), returns=False, on=live)
 
     @line_magic
     def dist_cancel(self, line: str) -> None:
@@ -535,7 +659,8 @@ class DistMagics(Magics):
                              f"{args.idle_timeout:g}")
         started = time.monotonic()
         try:
-            options = JobOptions(backend=args.backend, gpu=args.gpu, env=_parse_env(args.env))
+            options = JobOptions(backend=args.backend, gpu=args.gpu, env=_parse_env(args.env),
+                                 log_dir=parse_log_dir(args.log_dir))
             session = sessions.start(np, options, idle_timeout=args.idle_timeout)
         except ValueError as exc:
             raise UsageError(str(exc)) from None

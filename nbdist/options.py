@@ -1,6 +1,6 @@
 """One typed options object from the magic to the ranks, as torchrun's ``LaunchConfig``: how a
-job runs (``JobOptions``: backend, GPUs, timeout, environment, label, MLflow) and, beside it,
-whether and how it restarts (``Restarts``). ``%%distributed``'s parser builds them
+job runs (``JobOptions``: backend, GPUs, timeout, environment, label, MLflow, log folder) and,
+beside it, whether and how it restarts (``Restarts``). ``%%distributed``'s parser builds them
 (``magics.parse_options``), ``nbdist.run`` from its keywords; the engine passes them on whole
 (``elastic.start`` → ``ElasticJob`` → ``job.start`` → ``Job``, which maps them into the
 launch request, ``protocol.LaunchRequest``). A new option is one field here and one parser
@@ -58,6 +58,9 @@ class JobOptions:
     label: str = ""
     #: Log rank 0's reported metrics into the notebook's active MLflow run (``--mlflow``).
     mlflow: bool = False
+    #: Where every rank's complete log goes, ``rank-R.log`` (``--log-dir``; None: a folder of
+    #: the job's under the temporary folder, ``nbdist.logfiles``).
+    log_dir: str | None = None
     restarts: Restarts = field(default_factory=Restarts)
 
     def check(self) -> None:

@@ -97,6 +97,10 @@ HEARTBEAT_S = 5.0
 #: A starting or running rank not heard of for this long (three missed heartbeats) is *silent*:
 #: its supervisor, its host or the network to the driver is stuck or gone.
 SILENT_AFTER_S = 3 * HEARTBEAT_S
+#: The signal on which a rank's interpreter writes the stacks of all its threads
+#: (``faulthandler``, so also while it is stuck in C code: a collective, a lock); its name, as
+#: the ``signal`` module knows it.
+STACKS_SIGNAL = "SIGUSR2"
 
 
 # -- frames: supervisor ↔ rank interpreter --------------------------------------------------------
@@ -116,6 +120,7 @@ class Frame:
     RESULT = ord("R")
     PIECE = ord("B")  #: rank → supervisor: a piece of a session cell's value (``nbdist.values``)
     ERROR = ord("X")  #: rank → supervisor: JSON ``ErrorRecord``
+    DEBUG = ord("D")  #: supervisor → rank: a line typed in the notebook for its debugger
 
 
 def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview) -> None:
@@ -224,6 +229,10 @@ class RankOutcome:
     #: Set by a backend whose host for this rank went away under it (a Spark executor lost):
     #: that host, so the driver can name every rank that was on it.
     lost_host: str | None = None
+    #: The most resident memory the rank's processes held (bytes), as its supervisor saw it.
+    peak_rss: int | None = None
+    #: Evidence that the kernel's out-of-memory killer killed the rank (``rank.death``).
+    oom: str | None = None
 
     def fields(self) -> dict[str, Any]:
         """The outcome as plain values: every field, the status as its word."""
@@ -241,6 +250,26 @@ class RankOutcome:
         kept["status"] = RankStatus(kept.get("status", RankStatus.FAILED))
         return cls(rank, **kept)
 
+    def how(self) -> str:
+        """How a rank that did not deliver ended, in a few words: ``killed by the kernel's
+        out-of-memory killer, peak RSS 21.7 GB``, ``killed by SIGSEGV``, ``exited with code
+        3``, or the exception's type and message."""
+        peak = f", peak RSS {size_text(self.peak_rss)}" if self.peak_rss else ""
+        if self.error is not None:
+            return f"{self.error.get('type')}: {self.error.get('message')}"
+        code = self.exit_code
+        if self.oom is not None:
+            return f"killed by the kernel's out-of-memory killer{peak}"
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name}{peak}"
+        if self.status == RankStatus.CANCELLED:
+            return "stopped by nbdist"
+        return f"exited with code {code} before returning a result"
+
     def describe(self) -> str:
         """The failure as text: the remote traceback, or the exit status and last output."""
         if self.error is not None:
@@ -248,19 +277,20 @@ class RankOutcome:
             if not text.strip():
                 text = f"{self.error.get('type')}: {self.error.get('message')}\n"
             return text
-        code = self.exit_code
-        if code is not None and code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            how = f"rank {self.rank} was killed by {name}"
-        elif self.status == RankStatus.CANCELLED:
-            how = f"rank {self.rank} was stopped by nbdist"
-        else:
-            how = f"rank {self.rank} exited with code {code} before returning a result"
+        words = self.how()
+        how = f"rank {self.rank} {'' if words.startswith('exited') else 'was '}{words}"
+        if self.oom is not None:
+            how += f" ({self.oom})"
         lines = "".join(f"    {line}\n" for line in self.tail)
         return f"{how}\n" + (f"its last output:\n{lines}" if lines else "it printed nothing\n")
+
+
+def size_text(n: float) -> str:
+    """Bytes in words: ``812 MB``, ``1.2 GB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
+    return f"{int(n)} B"
 
 
 # -- payloads: what a rank runs -------------------------------------------------------------------
@@ -446,6 +476,7 @@ class StateEvent(TypedDict, total=False):
     #: ``warm``, ``fresh``) and why it was not forked, in words ("" when it was).
     start: str
     why: str
+    stacks: str  # ``ready``: the file its stack dumps go to (``STACKS_SIGNAL``)
 
 
 class MarksEvent(TypedDict):
@@ -476,6 +507,7 @@ class ResourcesEvent(TypedDict, total=False):
 
     t: Literal["res"]
     rss: int
+    peak: int  # the most resident memory so far (the rank's high-water mark, or a sample's)
     cpu: float  # percent of one core since the last sample
     gpus: list[GpuSample]
 
@@ -531,6 +563,24 @@ class NamesEvent(TypedDict):
     names: list[str]
 
 
+class StacksEvent(TypedDict, total=False):
+    """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
+    ``faulthandler`` writes them (``text``), or why there are none (``error``)."""
+
+    t: Literal["stacks"]
+    id: int
+    text: str
+    error: str
+
+
+class DebugEvent(TypedDict):
+    """A rank's debugger (``breakpoint()``) asks for a line: what it wrote since the last
+    question (its prompt last). Driver → rank, the same shape: the line typed."""
+
+    t: Literal["debug"]
+    text: str
+
+
 class ResultEvent(TypedDict, total=False):
     """Interpreter → supervisor: a payload's value follows (its type; a session's: the sizes
     of its pieces)."""
@@ -545,7 +595,8 @@ class ResultEvent(TypedDict, total=False):
 #: supervisor to the driver (the event channel).
 RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
              | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
-             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent)
+             | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent
+             | DebugEvent)
 
 
 class WorldEvent(TypedDict):
@@ -583,6 +634,13 @@ class PingEvent(TypedDict):
     t: Literal["ping", "quit"]
 
 
+class StacksRequest(TypedDict):
+    """Driver → rank: send the stacks of the rank's threads, as request ``id``."""
+
+    t: Literal["stacks"]
+    id: int
+
+
 class PaceEvent(TypedDict):
     """Event server → rank: write at most every ``every`` seconds."""
 
@@ -591,4 +649,5 @@ class PaceEvent(TypedDict):
 
 
 #: Everything the driver sends a rank on the event channel.
-DriverEvent = WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
+DriverEvent = (WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
+               | StacksRequest | DebugEvent)

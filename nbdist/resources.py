@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist.protocol import GpuSample, ResourcesEvent
+from nbdist.protocol import GpuSample, ResourcesEvent, size_text
 
 #: How often a rank's resources are measured and sent. Views refresh at ~10 Hz, but CPU and
 #: memory move slowly, and each sample walks the rank's process tree (``/proc``).
@@ -55,6 +55,7 @@ class Resources:
     rss: int | None
     gpus: tuple[GpuUse, ...] = ()
     at: float = 0.0  # the driver's time.time() when it arrived
+    peak: int | None = None  # the most resident memory so far (``Sampler.peak_rss``)
 
     @classmethod
     def from_event(cls, event: Mapping[str, Any], at: float) -> Resources:
@@ -66,7 +67,7 @@ class Resources:
                 gpus.append(GpuUse(str(g.get("id", "")), _int(g.get("util")),
                                    _int(g.get("mem")), _int(g.get("total"))))
         return cls(float(cpu) if isinstance(cpu, (int, float)) else None, _int(rss),
-                   tuple(gpus), at)
+                   tuple(gpus), at, _int(event.get("peak")))
 
     def text(self) -> str:
         """``CPU 187% · RSS 1.2 GB · GPU0 93% 31.5/85.0 GB`` (GPU parts only when sampled)."""
@@ -87,14 +88,6 @@ class Resources:
 
 def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def size_text(n: float) -> str:
-    """Bytes in words: ``812 MB``, ``1.2 GB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
-    return f"{int(n)} B"
 
 
 class _Gpus:
@@ -160,11 +153,18 @@ class Sampler:
         The rank's devices (``CUDA_VISIBLE_DEVICES``' names); empty: no GPU fields.
     send : callable
         Called with each sample as ``res`` event fields, on the sampler's thread.
+    seen : callable, optional
+        Called with the rank's pid at each sample (the supervisor notes its memory cgroup).
     """
 
     def __init__(self, pid: Callable[[], int | None], gpus: Sequence[str],
-                 send: Callable[[ResourcesEvent], None], every: float = SAMPLE_S) -> None:
+                 send: Callable[[ResourcesEvent], None], every: float = SAMPLE_S,
+                 seen: Callable[[int], None] | None = None) -> None:
         self._pid = pid
+        self._seen = seen
+        #: The most resident memory the rank's tree held: the largest sum of a sample, or the
+        #: rank's own high-water mark (``VmHWM``) where that is more; None before a sample.
+        self.peak_rss: int | None = None
         self._gpu_ids = tuple(gpus)
         self._send = send
         self._every = every
@@ -229,10 +229,25 @@ class Sampler:
             cpu[key] = total
             # A process new since the last sample counts from its start (its whole CPU time).
             used += total - self._cpu.get(key, 0.0)
-        event: ResourcesEvent = {"t": "res", "rss": rss}
+        if self._seen is not None:
+            self._seen(pid)
+        self.peak_rss = max(self.peak_rss or 0, rss, _high_water(pid))
+        event: ResourcesEvent = {"t": "res", "rss": rss, "peak": self.peak_rss}
         if self._last:
             event["cpu"] = round(100.0 * max(0.0, used) / max(now - self._last, 1e-3), 1)
         self._cpu, self._last = cpu, now
         if gpus is not None and gpus.handles:
             event["gpus"] = gpus.sample()
         return event
+
+
+def _high_water(pid: int) -> int:
+    """The process's peak resident memory (``VmHWM``, Linux), in bytes; 0 where unknown."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -35,6 +35,7 @@ from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
 from nbdist.job import (
+    STACKS_WAIT_S,
     Handle,
     Job,
     register,
@@ -44,6 +45,7 @@ from nbdist.job import (
 from nbdist.launch import Launcher, backends
 from nbdist.options import JobOptions
 from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
+from nbdist.stacks import Stacks
 from nbdist.waiting import wait_loop
 
 #: How long ``start`` waits for every rank's interpreter to be up.
@@ -166,6 +168,11 @@ class Session:
     def alive(self) -> bool:
         """True until the session is stopped or broken."""
         return not self.done() and not self._stopping and self.broken is None
+
+    @property
+    def last_cell(self) -> SessionCell | None:
+        """The cell that ran last (or runs now), None before the first."""
+        return self._cell
 
     @property
     def busy(self) -> SessionCell | None:
@@ -380,6 +387,7 @@ class SessionCell(Handle):
         self.launcher = session.launcher
         self.timeout = timeout
         self.state = state.JobState(cell_id, session.launcher.name, session.np)
+        self.state.log_dir = session.state.log_dir  # the session's ranks write one log each
         for r in session.state.ranks:  # the ranks' hosts and pids are the session's
             self.state.apply(r.rank, {"t": "hello", "host": r.host,
                                       "gpus": r.gpu.split(",") if r.gpu else []})
@@ -575,10 +583,14 @@ class SessionCell(Handle):
         tears the session down.
         """
         return wait_loop(
-            self._done, timeout, on_tick, cancel=self.cancel,
+            self._done, timeout, self.session.job.with_debugger(on_tick), cancel=self.cancel,
             teardown_s=INTERRUPT_GRACE_S + STOP_S,
             force=lambda: self.session._fail(f"interrupted twice while cell {self.id} ran"),
         )
+
+    def stacks(self, timeout: float = STACKS_WAIT_S) -> Stacks:
+        """The stacks of the session's ranks, labelled with this cell (``%dist_stacks``)."""
+        return self.session.job.stacks(timeout, job_id=self.id)
 
     def __repr__(self) -> str:
         return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.status}>"

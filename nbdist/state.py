@@ -55,6 +55,7 @@ class RankState:
     started: float | None = None
     ended: float | None = None
     last_seen: float | None = None  # wall time of the rank's last event (heartbeats included)
+    last_output: float | None = None  # wall time of the rank's last output
     log: collections.deque[Line] = field(
         default_factory=lambda: collections.deque(maxlen=LOG_LINES)
     )
@@ -67,6 +68,14 @@ class RankState:
     bar: int | None = None  # id of the progress bar updated last (the one views show)
     metrics: dict[str, Any] = field(default_factory=dict)
     resources: Resources | None = None  # the latest sample of its supervisor (resources.py)
+    #: The most it used while it ran (kept after it ended): resident memory, memory on its
+    #: GPUs (summed over them), CPU (percent of one core).
+    peak_rss: int | None = None
+    peak_gpu_mem: int | None = None
+    peak_cpu: float | None = None
+    #: How a rank that did not finish ended, in words ("killed by the kernel's out-of-memory
+    #: killer, peak RSS 21.7 GB"; "killed by SIGSEGV"); "" otherwise.
+    end: str = ""
     marks: dict[str, float] = field(default_factory=dict)  # its launch's marks (timeline.py)
     #: How its interpreter was obtained (``forked`` from a zygote, ``warm``, ``fresh``; "" not
     #: yet known) and why it was not forked, in words (``rank.supervisor.Taken``).
@@ -113,6 +122,11 @@ class JobState:
         self.seq = 0
         self.version = 0  # bumped on every change; views re-render when it moved
         self.rejected = 0
+        #: Where every line of every rank is written (``nbdist.logfiles``), or None.
+        self.log_dir: str | None = None
+        #: Where its ranks were when nbdist stopped the job (a timeout, a cancel): their
+        #: stacks, grouped (``nbdist.stacks``); "" when none were taken.
+        self.forensics = ""
         self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
@@ -133,6 +147,7 @@ class JobState:
             if kind == "hb":
                 return  # a heartbeat only says the rank's supervisor is alive
             if kind == "out":
+                r.last_output = r.last_seen
                 text = event.get("text")
                 if isinstance(text, str):
                     self._output_text(r, str(event.get("s", "o")), text)
@@ -154,7 +169,11 @@ class JobState:
             elif kind == "state":
                 self._rank_state(r, event)
             elif kind == "res":
-                r.resources = Resources.from_event(event, r.last_seen)
+                r.resources = res = Resources.from_event(event, r.last_seen)
+                r.peak_rss = _max(r.peak_rss, res.peak, res.rss)
+                r.peak_cpu = _max(r.peak_cpu, res.cpu)
+                if res.gpus:
+                    r.peak_gpu_mem = _max(r.peak_gpu_mem, sum(g.mem or 0 for g in res.gpus))
             elif kind == "marks":
                 at = event.get("at")
                 if isinstance(at, dict):
@@ -250,6 +269,21 @@ class JobState:
                 r.exit_code = exit_code if exit_code is not None else r.exit_code
             self.version += 1
 
+    def set_end(self, rank: int, how: str, peak_rss: int | None = None) -> None:
+        """How a rank that did not finish ended (``RankOutcome.how``), and its peak memory
+        as its supervisor measured it."""
+        with self.lock:
+            r = self.ranks[rank]
+            r.end = how
+            r.peak_rss = _max(r.peak_rss, peak_rss)
+            self.version += 1
+
+    def set_forensics(self, text: str) -> None:
+        """The ranks' grouped stacks, taken before nbdist stopped them."""
+        with self.lock:
+            self.forensics = text
+            self.version += 1
+
     def finish(self, status: str, reason: str = "") -> None:
         with self.lock:
             self.status = status
@@ -282,6 +316,13 @@ class JobState:
     def counts(self) -> dict[str, int]:
         with self.lock:
             return dict(collections.Counter(r.status for r in self.ranks))
+
+    def quiet_ranks(self, seconds: float, now: float | None = None) -> list[int]:
+        """Running ranks that printed nothing for ``seconds`` (or since they started)."""
+        now = time.time() if now is None else now
+        with self.lock:
+            return [r.rank for r in self.ranks if r.status == RUNNING
+                    and now - (r.last_output or r.started or now) >= seconds]
 
     def silent_ranks(self, now: float | None = None) -> list[int]:
         """Ranks not heard of for ``SILENT_AFTER_S`` while they should be talking."""
@@ -474,6 +515,12 @@ def _names(items: Iterable[str]) -> str:
     names = sorted(items)
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") \
         if names else "none known yet"
+
+
+def _max(*values: float | None) -> Any:
+    """The largest of the values that are known, or None."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 # -- a job that restarts (--max-restarts, ``nbdist.elastic``) -----------------------------------

@@ -342,7 +342,7 @@ def test_session_usage_errors(ip: Any, live: sessions.Session) -> None:
     """Options that belong to the session's start are refused on its cells, by name."""
     from IPython.core.error import UsageError
 
-    with pytest.raises(UsageError, match="--backend, --gpu and --env are set once"):
+    with pytest.raises(UsageError, match="--backend, --gpu, --env and --log-dir are set once"):
         run(ip, "%%distributed --env A=1\n1")
     with pytest.raises(sessions.SessionError, match="already running"):
         run(ip, "%dist_session start -np -2")

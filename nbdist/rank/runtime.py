@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbdist import _logcarry, values  # standard library only
 from nbdist.protocol import (
+    STACKS_SIGNAL,
     CallPayload,
     CellPayload,
     EnvFrame,
@@ -51,11 +52,12 @@ from nbdist.protocol import (
     PushPayload,
     ScriptPayload,
     SessionKeys,
+    StateEvent,
     load_values,
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import reporting
+from nbdist.rank import debugger, reporting
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
 
@@ -593,6 +595,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                 _flush_all()
                 if payload.get("session"):
                     _mark_synced()
+                    debugger.last_traceback = exc.__traceback__  # for %dist_debug
                 chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
                 if not payload.get("keep"):
                     return
@@ -682,8 +685,12 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.INTERRUPT:
                 _cells.interrupt(int(frame[1]))
                 continue
+            if frame[0] == Frame.DEBUG:
+                debugger.inbox.put(frame[1].decode("utf-8", "replace"))
+                continue
             inbox.put(frame)
         inbox.put(None)
+        debugger.inbox.put(None)
         if not done.is_set():
             _kill_descendants()
             os.killpg(os.getpgid(0), signal.SIGKILL)
@@ -697,7 +704,12 @@ def main(guard: bool = True) -> None:
     pacer = Pacer()
     pacer.install()
     _guard_forks(pacer)
-    chan.event({"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()})
+    ready: StateEvent = {"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()}
+    debugger.install(lambda text: chan.event({"t": "debug", "text": text}))
+    stacks = register_stack_dumps()
+    if stacks is not None:
+        ready["stacks"] = stacks
+    chan.event(ready)
     code = 0
     try:
         _serve(inbox, chan)
@@ -711,6 +723,38 @@ def main(guard: bool = True) -> None:
         _flush_all()
         _kill_descendants()
         os._exit(code)
+
+
+#: Where the rank's stack dumps go (kept open for its life; ``faulthandler`` keeps the fd).
+_stacks_file: Any = None
+
+
+def register_stack_dumps() -> str | None:
+    """Write every thread's stack to a file on ``STACKS_SIGNAL``; the path the supervisor
+    reads it at, or None where that cannot be.
+
+    ``faulthandler`` writes from the signal handler itself, in C, so a rank stuck in C code (a
+    collective, a lock, a long numpy call) still answers. On Linux the file is unlinked at once
+    and read through ``/proc/PID/fd``: nothing is left behind however the rank ends.
+    """
+    global _stacks_file
+    import faulthandler
+    import tempfile
+
+    sig = getattr(signal, STACKS_SIGNAL, None)
+    if sig is None:
+        return None
+    try:
+        fd, path = tempfile.mkstemp(prefix="nbdist-stacks-", suffix=".txt")
+        _stacks_file = os.fdopen(fd, "w")
+        faulthandler.register(sig, file=_stacks_file, all_threads=True, chain=False)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    proc_path = f"/proc/{os.getpid()}/fd/{fd}"
+    if os.path.exists(proc_path):
+        os.unlink(path)
+        return proc_path
+    return path
 
 
 def become_subreaper() -> bool:

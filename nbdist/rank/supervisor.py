@@ -44,11 +44,13 @@ from nbdist.protocol import (
     RankEvent,
     RankOutcome,
     RankStatus,
+    StacksEvent,
     read_frame,
     write_frame,
 )
 from nbdist.rank.cells import JobWork, RankWork, SessionCells
 from nbdist.rank.client import EventClient
+from nbdist.rank.death import OomWatch
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
@@ -72,6 +74,9 @@ PUMP_GRACE_S = 2.0
 TERM_GRACE_S = 2.0
 #: Lines of output kept to explain a rank that died without a traceback.
 TAIL_LINES = 20
+#: How long a rank's stack dump may take to be written, and the quiet that ends one.
+STACKS_S = 2.0
+STACKS_QUIET_S = 0.05
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
 PIECES_QUEUED = 2
@@ -317,11 +322,15 @@ class Supervisor:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._result_type: str | None = None
         self._escapees: list[Any] = []
+        self._oom = OomWatch()  # the rank's memory cgroups, to tell an OOM kill when it dies
+        self._sampler: Sampler | None = None
         #: What the rank runs: all that differs between a job's rank and a session's.
         self._work: RankWork = (SessionCells(spec.secret, self._send, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
+        self._stacks_path: str | None = None  # where the rank writes its stack dumps
+        self._stacks_lock = threading.Lock()  # one dump at a time
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
         self.marks: dict[str, float] = {}
@@ -337,6 +346,12 @@ class Supervisor:
             self._world.set()
         elif msg.get("t") == "cancel":
             self.cancel()
+        elif msg.get("t") == "debug" and self._rp is not None:
+            self._rp.send(Frame.DEBUG, str(msg.get("text", "")).encode())
+        elif msg.get("t") == "stacks":
+            # Off the client's reader thread: the dump takes up to STACKS_S.
+            threading.Thread(target=self._answer_stacks, args=(msg.get("id"),), daemon=True,
+                             name=f"nbdist-stacks-{self.spec.rank}").start()
         else:
             self._work.on_message(msg, self._rp)
 
@@ -398,7 +413,8 @@ class Supervisor:
         ended = threading.Event()
         threading.Thread(target=self._beat, args=(ended,), daemon=True,
                          name=f"nbdist-beat-{spec.rank}").start()
-        sampler = Sampler(self._rank_pid_now, spec.gpus, self._send)
+        sampler = self._sampler = Sampler(self._rank_pid_now, spec.gpus, self._send,
+                                          seen=self._oom.see)
         if self._client is not None:
             sampler.start()
         try:
@@ -514,7 +530,14 @@ class Supervisor:
         outcome = RankOutcome(
             spec.rank, RankStatus.FAILED, result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
+            peak_rss=self._sampler.peak_rss if self._sampler is not None else None,
         )
+        if code == -signal.SIGKILL and self._result is None and not self._cancelled.is_set():
+            kill = self._oom.killed(self._rank_pid_now())
+            if kill is not None:
+                outcome.oom = kill.evidence
+                if kill.rss is not None:
+                    outcome.peak_rss = max(outcome.peak_rss or 0, kill.rss)
         if self._result is not None or (self._work.quitting and code == 0):
             # The value was delivered and output flushed: a crash after that (torch's teardown
             # abort) does not make the rank a failure. A session's rank ends on ``quit``.
@@ -630,6 +653,7 @@ class Supervisor:
                     continue
                 if event.get("t") == "state" and event.get("state") == "ready":
                     self._rank_pid = int(event.get("pid") or rp.pid)
+                    self._stacks_path = event.get("stacks") or None
                     at = event.get("at")
                     self.mark(timeline.READY, at if isinstance(at, (int, float)) else None)
                 if event.get("t") == "marks":  # the interpreter's (imports, end): first ones
@@ -655,6 +679,36 @@ class Supervisor:
             elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
+
+    def _answer_stacks(self, req: Any) -> None:
+        text, error = self.stacks()
+        answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0}
+        if text:
+            answer["text"] = text
+        if error:
+            answer["error"] = error
+        self._send(answer)
+
+    def stacks(self, timeout: float = STACKS_S) -> tuple[str, str]:
+        """The stacks of every thread of the rank (``faulthandler``'s text), and "" — or ""
+        and why there are none."""
+        path, pid, proc = self._stacks_path, self._rank_pid, self._proc
+        if proc is None or proc.poll() is not None or pid is None:
+            return "", "the rank is not running"
+        if path is None:
+            return "", ("the rank's interpreter takes no stack dumps (no SIGUSR2 on this "
+                        "platform, or no temporary folder it could write them to)")
+        with self._stacks_lock:
+            try:
+                with open(path, "rb") as f:
+                    start = f.seek(0, os.SEEK_END)
+                    os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+                    data = _read_dump(f, start, timeout)
+            except OSError as exc:
+                return "", f"its stacks could not be read: {exc}"
+        if not data:
+            return "", f"no stack dump within {timeout:g} s"
+        return data.decode("utf-8", "replace"), ""
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
@@ -824,6 +878,28 @@ def _descendants(pid: int) -> list[Any]:
         return list(psutil.Process(pid).children(recursive=True))
     except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
         return []
+
+
+def _read_dump(f: Any, start: int, timeout: float) -> bytes:
+    """What a stack dump adds to the file after ``start``: read until it stops growing.
+
+    ``faulthandler`` writes a thread at a time, in its signal handler, with no end marker; a
+    dump is over when nothing more came for ``STACKS_QUIET_S``.
+    """
+    deadline = time.monotonic() + timeout
+    data = b""
+    quiet_since = None
+    while time.monotonic() < deadline:
+        f.seek(start + len(data))
+        more = f.read()
+        now = time.monotonic()
+        if more:
+            data += more
+            quiet_since = now
+        elif data and quiet_since is not None and now - quiet_since >= STACKS_QUIET_S:
+            break
+        time.sleep(0.01)  # polling a file that a signal handler writes: nothing to wait on
+    return data
 
 
 def _grow_pipe(fd: int) -> None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from nbdist.protocol import size_text
 from nbdist.state import (
     CANCELLED,
     DONE,
@@ -326,9 +327,12 @@ def _rank_row(r: RankState) -> RankRow:
 
 
 def resources_text(r: RankState) -> str:
-    """What a running rank uses (``CPU 187% · RSS 1.2 GB · GPU0 93% ...``); "" once it ended
-    or before its first sample (``nbdist.resources``)."""
-    if r.resources is None or r.status in FINAL:
+    """What a running rank uses (``CPU 187% · RSS 1.2 GB · GPU0 93% ...``), once it ended the
+    most it used (``peak RSS 1.2 GB · CPU 187%``); "" before its first sample
+    (``nbdist.resources``)."""
+    if r.status in FINAL:
+        return peaks_text(r)
+    if r.resources is None:
         return ""
     return r.resources.text()
 
@@ -343,6 +347,32 @@ def _rank_rows(job: JobState, ranks: Sequence[int] | None = None,
 
 def _grouped(job: JobState) -> bool:
     return job.np > GROUP_ABOVE
+
+
+def peaks_text(r: RankState) -> str:
+    """The most a rank used: ``peak RSS 21.7 GB · CPU 187% · GPU 31.5 GB`` ("" unknown)."""
+    parts = []
+    if r.peak_rss:
+        parts.append(f"peak RSS {size_text(r.peak_rss)}")
+    if r.peak_cpu is not None:
+        parts.append(f"CPU {r.peak_cpu:.0f}%")
+    if r.peak_gpu_mem:
+        parts.append(f"GPU {size_text(r.peak_gpu_mem)}")
+    return " · ".join(parts)
+
+
+def ends_lines(job: JobState) -> list[str]:
+    """How each rank that did not finish ended (``rank 1: killed by the kernel's
+    out-of-memory killer, peak RSS 21.7 GB``), then where every rank's complete log is."""
+    with job.lock:
+        lines = [f"rank {r.rank}: {r.end}" for r in job.ranks if r.end][:MAX_TABLE_ROWS]
+    if job.forensics:
+        lines.append("where the ranks were (stacks nbdist took):")
+        lines += [f"  {line}" for line in job.forensics.splitlines()]
+    if job.log_dir:
+        lines.append(f"logs: every line of rank R in {job.log_dir}/rank-R.log "
+                     f"(%dist_status {job.id} --rank R --lines N shows its end)")
+    return lines
 
 
 def _job_head(job: JobState) -> str:
@@ -393,7 +423,7 @@ def _ranks_block(job: JobState, head: str, ranks: str | None = None) -> str:
     the ranks ``ranks`` names (``state.select_ranks``) when given."""
     if job.reason:
         head += f"\n{job.reason.splitlines()[0]}"
-    notes = [*start_lines(job), silent_note(job)]
+    notes = [*start_lines(job), silent_note(job), *ends_lines(job)]
     with job.lock:
         if ranks is not None:
             chosen = select_ranks(ranks, job.ranks)
@@ -485,7 +515,16 @@ def summary_html(job: JobState) -> str:
     return (f"<div class='nbdist-summary-static'>{header_html(job)}"
             f"<details><summary>ranks</summary>{table}</details>"
             f"<details><summary>output ({note})</summary>"
-            f"<pre style='max-height:20em;overflow:auto'>{log}</pre></details></div>")
+            f"<pre style='max-height:20em;overflow:auto'>{log}</pre></details>"
+            f"{_forensics_html(job)}</div>")
+
+
+def _forensics_html(job: JobState) -> str:
+    if not job.forensics:
+        return ""
+    return ("<details open><summary>where the ranks were (stacks nbdist took)</summary>"
+            f"<pre style='max-height:20em;overflow:auto'>{html.escape(job.forensics)}</pre>"
+            "</details>")
 
 
 # -- %dist_status ---------------------------------------------------------------------------------
@@ -598,5 +637,6 @@ class RanksReport(Report):
         attempts = _attempt_rows(job)
         attempts_html = html_table(_ATTEMPT_COLUMNS, _ATTEMPT_COLUMNS, attempts) \
             if attempts else ""
+        ends_html = "".join(f"<div>{html.escape(line)}</div>" for line in ends_lines(job))
         return (f"<div class='nbdist-status'>{header_html(job)}{table}{more_html}"
-                f"{note_html}{attempts_html}</div>")
+                f"{note_html}{ends_html}{attempts_html}</div>")

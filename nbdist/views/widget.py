@@ -167,13 +167,16 @@ def _details(r: RankState, bar: ProgressEvent | None) -> str:
     return " · ".join(parts) if parts else "<span class='nbdist-muted'>…</span>"
 
 
-def _log_html(lines: Sequence[tuple[str, str]], skipped: int, tail: str = "") -> str:
+def _log_html(lines: Sequence[tuple[str, str]], skipped: int, tail: str = "",
+              log_dir: str | None = None) -> str:
     """A log pane: ``(prefix, text)`` lines, newest last; the pane sticks to its bottom."""
     body = "\n".join(f"{html.escape(p)}{html.escape(t)}" for p, t in lines)
     note = ""
     if skipped:
+        where = (f"every line is in the ranks' log files in {log_dir}" if log_dir else
+                 "the job's state keeps the last ones of each rank")
         note = (f"<span class='nbdist-muted'>… {skipped} earlier lines not shown here "
-                f"(the job's state keeps the last ones of each rank)</span>\n")
+                f"({html.escape(where)})</span>\n")
     if tail:
         body += f"\n<i>{html.escape(tail)}</i>"
     if not body:
@@ -359,10 +362,12 @@ class Panel(BackgroundRenderer):
             merged = list(job.merged)[-LOG_VIEW_LINES:]
             width = len(str(max(job.np - 1, 0)))
             skipped = max(0, job.seq - len(merged))
-            return _log_html([(f"[{ln.rank:>{width}}] ", ln.text) for ln in merged], skipped)
+            return _log_html([(f"[{ln.rank:>{width}}] ", ln.text) for ln in merged], skipped,
+                             log_dir=job.log_dir)
         r = job.ranks[rank]
         log = list(r.log)[-LOG_VIEW_LINES:]
-        return _log_html([("", ln.text) for ln in log], r.lines - len(log), r.status_line)
+        return _log_html([("", ln.text) for ln in log], r.lines - len(log), r.status_line,
+                         job.log_dir)
 
     def _picked(self, change: dict[str, Any]) -> None:
         with self._lock, self.job.lock:

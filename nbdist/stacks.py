@@ -1,0 +1,182 @@
+"""Every rank's stacks, folded: ``ranks 0–2, 4–7: all_reduce ← step ← <module> (cell line 41)``.
+
+Each rank's supervisor answers a ``stacks`` request with what ``faulthandler`` wrote for the
+rank's threads (``rank/runtime.py`` registers it on ``protocol.STACKS_SIGNAL``; the C handler
+answers also while the rank is stuck in C code). This module turns those texts into groups of
+ranks with the same stacks: nbdist's own frames and threads are left out, frames are shown as
+Python shows a traceback (most recent call last), and the cell's frames carry the cell's own
+line numbers (the payload is compiled with them, ``runtime._run_cell``). Pure functions, no
+I/O: ``Job.stacks`` gathers, this groups and renders.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+#: ``  File "path", line 12 in func``
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ ")
+#: nbdist's own modules, wherever nbdist is installed on the rank's host.
+_NBDIST = re.compile(r"[/\\]nbdist[/\\](?:\w+[/\\])?\w+\.py$")
+#: Modules a thread of nbdist's waits in; a thread with nothing else is nbdist's own.
+_PLUMBING = re.compile(r"[/\\](?:threading|queue|selectors|socket|subprocess)\.py$")
+#: Where the rank's code runs: the thread whose bottom frames are these is the cell's.
+_RUNTIME_ENTRY = ("_serve", "main")
+SUMMARY_FRAMES = 3
+
+
+class StackFrame(NamedTuple):
+    file: str
+    line: int
+    func: str
+
+    @property
+    def in_cell(self) -> bool:
+        return self.file.startswith("<cell")
+
+    def where(self) -> str:
+        return f"cell line {self.line}" if self.in_cell else f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    """One thread's Python frames, outermost first; ``cell``: the thread that runs the cell."""
+
+    frames: tuple[StackFrame, ...]
+    cell: bool = False
+
+    def summary(self) -> str:
+        """``all_reduce ← step ← <module> (cell line 41)``: the innermost calls, and where in
+        the cell (or the innermost file and line) the thread is."""
+        if not self.frames:
+            return "no Python frame (in C code, or between cells)" if self.cell else "no frame"
+        inner = list(reversed(self.frames))
+        calls = " ← ".join(f.func for f in inner[:SUMMARY_FRAMES])
+        if len(inner) > SUMMARY_FRAMES:
+            calls += " ← …"
+        at = next((f for f in inner if f.in_cell), inner[0])
+        return f"{calls} ({at.where()})"
+
+
+def parse(text: str) -> list[ThreadStack]:
+    """``faulthandler``'s text for all threads → each thread's frames, nbdist's left out.
+
+    A thread made only of nbdist's frames and the standard library's waiting (its channel,
+    its output pacer) is not the user's and is dropped; the cell's thread keeps the frames
+    above nbdist's runtime.
+    """
+    threads: list[list[StackFrame]] = []
+    for line in text.splitlines():
+        if _THREAD.match(line):
+            threads.append([])
+            continue
+        hit = _FRAME.match(line)
+        if hit and threads:
+            threads[-1].append(StackFrame(hit["file"], int(hit["line"]), hit["func"]))
+    out: list[ThreadStack] = []
+    for frames in threads:
+        ours = [f for f in frames if _NBDIST.search(f.file) or f.file == "<string>"]
+        cell = any(_NBDIST.search(f.file) and f.func in _RUNTIME_ENTRY
+                   and f.file.endswith("runtime.py") for f in ours)
+        kept = [f for f in frames if f not in ours]
+        if ours and not cell and all(_PLUMBING.search(f.file) for f in kept):
+            continue  # one of nbdist's own threads
+        if cell and all(_PLUMBING.search(f.file) for f in kept):
+            kept = []  # the runtime waiting for its next payload (a session between cells)
+        out.append(ThreadStack(tuple(reversed(kept)), cell))
+    # The cell's thread first, the others in a fixed order: equal ranks then compare equal.
+    return sorted(out, key=lambda t: (not t.cell, t.frames))
+
+
+@dataclass
+class StackGroup:
+    """Ranks whose threads have the same stacks."""
+
+    ranks: list[int]
+    threads: tuple[ThreadStack, ...]
+
+    def summary(self) -> str:
+        cell = next((t for t in self.threads if t.cell), None)
+        if cell is not None:
+            return cell.summary()
+        return self.threads[0].summary() if self.threads else "no Python thread"
+
+
+def group(dumps: Mapping[int, str]) -> list[StackGroup]:
+    """Fold the ranks' dumps into groups of equal stacks, the most common group first."""
+    by_key: dict[tuple[ThreadStack, ...], list[int]] = {}
+    for rank in sorted(dumps):
+        by_key.setdefault(tuple(parse(dumps[rank])), []).append(rank)
+    groups = [StackGroup(ranks, key) for key, ranks in by_key.items()]
+    return sorted(groups, key=lambda g: (-len(g.ranks), g.ranks[0]))
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0–2, 4–7``."""
+    ordered = sorted(set(ranks))
+    spans: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        first, last = ordered[i], ordered[j]
+        if last == first:
+            spans.append(str(first))
+        elif last == first + 1:
+            spans.extend((str(first), str(last)))
+        else:
+            spans.append(f"{first}–{last}")
+        i = j + 1
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+
+
+@dataclass
+class Stacks:
+    """Every live rank's stacks, grouped (``%dist_stacks``, and a failed job's forensics)."""
+
+    job_id: str
+    groups: list[StackGroup] = field(default_factory=list)
+    #: Ranks asked that gave no stacks: why, and their last lines.
+    missing: dict[int, str] = field(default_factory=dict)
+    seconds: float = 0.0  # how long gathering took
+
+    @classmethod
+    def from_dumps(cls, job_id: str, dumps: Mapping[int, str],
+                   missing: Mapping[int, str] | None = None, seconds: float = 0.0) -> Stacks:
+        return cls(job_id, group(dumps), dict(missing or {}), seconds)
+
+    def summary(self) -> str:
+        """One line per group: ``ranks 0–2, 4–7: all_reduce ← step (cell line 41)``."""
+        lines = [f"{rank_ranges(g.ranks)}: {g.summary()}" for g in self.groups]
+        lines += [f"rank {r}: {why.splitlines()[0] if why else 'no answer'}"
+                  for r, why in sorted(self.missing.items())]
+        return "\n".join(lines)
+
+    def text(self) -> str:
+        """Each group with its threads' frames (as a traceback: most recent call last), then
+        the ranks that did not answer with their last lines."""
+        out = [f"stacks of job {self.job_id} ({self.seconds:.2f} s):"]
+        for g in self.groups:
+            out.append(f"{rank_ranges(g.ranks)}: {g.summary()}")
+            for t in g.threads:
+                out.append("  the cell's thread:" if t.cell else "  another thread:")
+                out += [f"    File \"{f.file}\", line {f.line}, in {f.func}" for f in t.frames]
+                if not t.frames:
+                    out.append(f"    ({t.summary()})")
+        for r, why in sorted(self.missing.items()):
+            out.append(f"rank {r}: " + why.replace("\n", "\n    "))
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return f"<pre class='nbdist-stacks'>{html.escape(self.text())}</pre>"
