@@ -26,6 +26,8 @@ from nbdist.series import MetricSeries
 
 LOG_LINES = 1000
 MERGED_LINES = 5000
+#: Notes (``JobState.note``) kept for the views that print each one.
+NOTES_KEPT = 50
 MAX_PARTIAL = 64 * 1024
 
 #: Rank and job statuses, in the order a rank goes through them (``protocol.RankStatus``).
@@ -117,6 +119,10 @@ class JobState:
         #: One line the views show under the header while it changes (a job that restarts:
         #: "attempt 2 of 4 ...", "waiting for 4 slots, 2 free"); "" for none.
         self.note = ""
+        #: Every note set, newest last (a text view prints each, even one replaced before it
+        #: looked), and how many were ever set.
+        self.notes: collections.deque[str] = collections.deque(maxlen=NOTES_KEPT)
+        self.notes_set = 0
         self.ranks = [RankState(r) for r in range(np)]
         self.merged: collections.deque[Line] = collections.deque(maxlen=MERGED_LINES)
         self.seq = 0
@@ -296,6 +302,18 @@ class JobState:
             self.version += 1
 
     # -- reading --------------------------------------------------------------------------------
+    def notes_since(self, count: int) -> tuple[list[str], int]:
+        """The notes set after the first ``count`` (those still kept), and how many were set."""
+        with self.lock:
+            fresh = min(self.notes_set - count, len(self.notes))
+            return (list(self.notes)[len(self.notes) - fresh:] if fresh > 0 else []), \
+                self.notes_set
+
+    def _set_note(self, note: str) -> None:  # holding the lock
+        self.note = note
+        self.notes.append(note)
+        self.notes_set += 1
+
     def lines_since(self, seq: int) -> tuple[list[Line], int]:
         """Merged lines after ``seq``, and how many of those already fell out of the buffer."""
         with self.lock:
@@ -576,7 +594,7 @@ class ElasticState(JobState):
                     self._output(rank, "o", [[marker, "\n"]])
             self.attempts.append(Attempt(number, job_id, time.time()))
             if self.max_restarts:
-                self.note = f"attempt {number} of {self.total}" + (f" · {why}" if why else "")
+                self._set_note(f"attempt {number} of {self.total}" + (f" · {why}" if why else ""))
             self.version += 1
 
     def end_attempt(self, cause: str, verdict: str) -> None:
@@ -589,7 +607,7 @@ class ElasticState(JobState):
     def set_note(self, note: str) -> None:
         with self.lock:
             if note != self.note:
-                self.note = note
+                self._set_note(note)
                 self.version += 1
 
     def finish(self, status: str, reason: str = "") -> None:

@@ -165,3 +165,26 @@ def test_the_text_view_of_a_large_job_prints_a_summary_line_not_a_line_per_rank(
     assert "silent since now: ranks 50" in text
     assert "[rank" not in text  # no status line per rank
     view.close()
+
+
+def test_the_text_view_prints_every_note_even_one_replaced_between_its_ticks() -> None:
+    """An attempt of a job that restarts can start and end between two ticks of the view (a
+    busy machine): its note is printed all the same; a capacity wait's countdown is printed at
+    a slower pace, its newest value."""
+    job = state.ElasticState("j1", "local", 2, max_restarts=1)
+    buf = io.StringIO()
+    view = TextView(job, buf)
+    job.begin(1, "j2", "")
+    view.update()
+    job.set_note("waiting for 2 slots, 0 free")
+    job.set_note("waiting for 2 slots, 1 free")
+    job.begin(2, "j3", "attempt 1 ended: rank 1 of 2 failed")
+    job.set_note("done on attempt 2 of 2")
+    view.update()
+    view.close()
+    text = buf.getvalue()
+    assert "[nbdist] attempt 1 of 2\n" in text
+    assert "[nbdist] waiting for 2 slots, 0 free" in text
+    assert "[nbdist] waiting for 2 slots, 1 free" not in text  # a countdown, superseded
+    assert "[nbdist] attempt 2 of 2 · attempt 1 ended: rank 1 of 2 failed" in text
+    assert "[nbdist] done on attempt 2 of 2" in text

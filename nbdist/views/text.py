@@ -47,8 +47,10 @@ class TextView(BackgroundRenderer):
         self._seq = 0
         self._status: dict[int, tuple[str, float]] = {}
         self._silent: set[int] = set()
-        self._note = ""
+        self._note = ""  # the last note written
         self._note_at = 0.0
+        self._notes_seen = 0  # of the job's notes (JobState.notes_set)
+        self._pending = ""  # a countdown not written yet (written STATUS_EVERY_S apart)
         self._summary = ""
         self._summary_at = 0.0
         self._width = len(str(max(job.np - 1, 0)))
@@ -75,11 +77,24 @@ class TextView(BackgroundRenderer):
             self._seq = line.seq
         now = time.monotonic()
         wrote = bool(lines or skipped)
-        note = self.job.note
-        if note and note != self._note and (final or now - self._note_at >= STATUS_EVERY_S
-                                            or not _countdown(note, self._note)):
+        # Every note, even one replaced before this view looked (an attempt that started and
+        # ended between two ticks); a capacity wait's countdown at a slower pace, its newest.
+        fresh, self._notes_seen = self.job.notes_since(self._notes_seen)
+        if fresh:
+            self._pending = ""
+        for i, note in enumerate(fresh):
+            if note == self._note:
+                continue
+            if _countdown(note, self._note) and not final and (
+                    i < len(fresh) - 1 or now - self._note_at < STATUS_EVERY_S):
+                self._pending = note if i == len(fresh) - 1 else ""
+                continue
             out.write(f"[nbdist] {note}\n")
             self._note, self._note_at = note, now
+            wrote = True
+        if self._pending and (final or now - self._note_at >= STATUS_EVERY_S):
+            out.write(f"[nbdist] {self._pending}\n")
+            self._note, self._note_at, self._pending = self._pending, now, ""
             wrote = True
         if self.job.np > status.GROUP_ABOVE:
             return self._update_many(out, now, wrote, final)
