@@ -33,6 +33,7 @@ from typing import Any
 
 from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
+from nbdist.capture import call_code
 from nbdist.errors import CapacityError, DistributedError, LaunchError
 from nbdist.protocol import CallPayload, Payload
 from nbdist.rank.supervisor import RankOutcome
@@ -550,7 +551,8 @@ def run(
         Used as a :class:`~nbdist.job.Job`; ``.attempts`` lists the attempts.
     """
     _check(max_restarts, restart_on_error, capacity_wait, timeout)
-    payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
+                            "args": args, "kwargs": kwargs}
     return _elastic(payload, np, max_restarts=max_restarts, restart_on_error=restart_on_error,
                     capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir,
                     backend=backend, gpu=gpu, timeout=timeout, env=env,

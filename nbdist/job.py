@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbdist import _pickling, channel, events, launch, state, timeline, tracking
+from nbdist.capture import call_code
 from nbdist.errors import DistributedError, LaunchError, OutputLostWarning, ValuesDroppedError
 from nbdist.launch import Capacity, Launcher, LaunchRequest, payload_env, payload_modules
 from nbdist.protocol import CallPayload, DriverEvent, Payload, RankStatus
@@ -814,6 +815,7 @@ def run(
     Job
         ``.result()`` is rank 0's return value, ``.results`` every rank's.
     """
-    payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
+                            "args": args, "kwargs": kwargs}
     return start(payload, np, backend=backend, gpu=gpu, timeout=timeout, env=env,
                  label=getattr(fn, "__name__", "fn"), mlflow=mlflow)
