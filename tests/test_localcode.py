@@ -53,7 +53,7 @@ def _files(code: ShippedCode | None) -> list[str]:
 def test_the_cells_local_modules_travel_with_what_they_import(src: Path) -> None:
     """A module the cell imports, the local module it imports in turn and the package of a
     notebook value's class travel by value; installed packages and nbdist never do."""
-    import nbdist_lc_pkg
+    import nbdist_lc_pkg  # type: ignore[import-not-found]  # made by the fixture
 
     ns = {"net": nbdist_lc_pkg.Net(4)}
     captured = capture_cell("import json, pytest, nbdist\nimport nbdist_lc_helpers\n"
@@ -118,7 +118,7 @@ with mp.get_context("spawn").Pool(1) as pool:
         ip.user_ns.pop("nbdist_lc_pkg", None)
     assert value[:2] == (12, 6) and value[3] == "nbdist_lc_pkg.model"
     assert value[2].startswith(localcode.code_root()), value[2]
-    import nbdist_lc_helpers
+    import nbdist_lc_helpers  # type: ignore[import-not-found]  # made by the fixture
 
     job = nbdist.run(nbdist_lc_helpers.triple, 5, np=2, backend="local",
                      env={"PYTHONPATH": ""})
