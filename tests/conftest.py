@@ -20,6 +20,7 @@ from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/
     no_leftover_spark_ranks,
     release,
     spark_cluster,
+    spark_connect,
     spark_local,
     spark_mark,
     sparks,
