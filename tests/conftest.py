@@ -23,6 +23,7 @@ from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/
     spark_connect,
     spark_local,
     spark_mark,
+    spark_nodes,
     sparks,
     uses_spark,
 )

@@ -219,6 +219,11 @@ class Sparks:
     def standalone(self) -> SparkSession:
         return self._get("standalone")
 
+    def standalone_nodes(self) -> SparkSession:
+        """The standalone cluster set up for node-level launch: each task takes both GPUs of
+        its worker (``spark.task.resource.gpu.amount=2``), one task per worker."""
+        return self._get("standalone-nodes")
+
     def _get(self, kind: str) -> SparkSession:
         if self.kind == kind and self.session is not None:
             return self.session
@@ -242,7 +247,8 @@ class Sparks:
                 .config("spark.cores.max", str(cores * len(WORKERS)))
                 .config("spark.executor.memory", "512m")
                 .config("spark.executor.resource.gpu.amount", str(len(WORKERS[0][2])))
-                .config("spark.task.resource.gpu.amount", "1")
+                .config("spark.task.resource.gpu.amount",
+                        str(len(WORKERS[0][2])) if kind == "standalone-nodes" else "1")
             )
             executors = len(WORKERS)
         session = builder.getOrCreate()
@@ -350,9 +356,9 @@ class ConnectServer:
 
 #: The fixtures that give a test Spark; a test using none of them needs no session.
 SPARK_FIXTURES = frozenset({"spark_mark", "sparks", "spark_local", "spark_cluster",
-                            "spark_connect"})
+                            "spark_connect", "spark_nodes"})
 #: The fixtures that need the standalone cluster.
-CLUSTER_FIXTURES = frozenset({"spark_cluster", "spark_connect"})
+CLUSTER_FIXTURES = frozenset({"spark_cluster", "spark_connect", "spark_nodes"})
 _manager: Sparks | None = None
 
 
@@ -421,6 +427,12 @@ def spark_local(sparks: Sparks) -> SparkSession:
 def spark_cluster(sparks: Sparks) -> SparkSession:
     """A session on the standalone cluster: 2 executors × (3 cores, 2 fake GPUs), 4 slots."""
     return sparks.standalone()
+
+
+@pytest.fixture
+def spark_nodes(sparks: Sparks) -> SparkSession:
+    """A session on the standalone cluster with 2 GPUs per task: 2 tasks of 2 ranks each."""
+    return sparks.standalone_nodes()
 
 
 @pytest.fixture(scope="module")

@@ -265,6 +265,7 @@ class SparkLauncher:
         self._cancelled = False
         self._killed = False  # Spark's job group was cancelled: lost tasks were killed by us
         self._finished = threading.Event()
+        self._per_task = 1  # ranks per barrier task: the GPUs of a task, with --gpu
 
     # -- capacity ---------------------------------------------------------------------------
     def cluster(self, want: int = 1) -> ClusterInfo:
@@ -326,10 +327,22 @@ class SparkLauncher:
         )
         return events.DriverAddress(bind, host, port, source)
 
+    def ranks_per_task(self, gpu: bool) -> int:
+        """Ranks each barrier task runs: with ``gpu``, one per GPU of the task
+        (``spark.task.resource.gpu.amount``, a whole number); else one."""
+        try:
+            amount = float(self._conf("spark.task.resource.gpu.amount") or 0)
+        except ValueError:
+            return 1
+        return int(amount) if gpu and amount >= 1 and amount == int(amount) else 1
+
     def capacity(self) -> Capacity:
         info = self.cluster()
+        per_task = self.ranks_per_task(bool(info.task_gpus))
         return Capacity(
-            slots=info.slots, gpus=info.gpus if info.task_gpus else 0, detail=info.describe()
+            slots=info.slots * per_task, gpus=info.gpus if info.task_gpus else 0,
+            detail=info.describe() + (f", {per_task} ranks each (one per GPU)"
+                                      if per_task > 1 else ""),
         )
 
     def _conf(self, key: str) -> str:
@@ -367,11 +380,31 @@ class SparkLauncher:
                     "spark.worker.resource.gpu.* on a standalone cluster) when the cluster "
                     "starts; Databricks sets these on GPU clusters. Or use --no-gpu."
                 )
-            if info.task_gpus != 1:
+            if info.task_gpus < 1 or info.task_gpus != int(info.task_gpus):
                 raise CapacityError(
-                    "--gpu gives each rank one GPU of its own, which needs "
-                    f"spark.task.resource.gpu.amount=1; it is {info.task_gpus:g} on this "
-                    "cluster. Set it to 1 when the cluster starts, or use --no-gpu."
+                    "--gpu gives each rank one GPU of its own, which needs a whole number of "
+                    f"GPUs per task (spark.task.resource.gpu.amount=k: k ranks per task, one "
+                    f"per GPU); it is {info.task_gpus:g} on this cluster. Set it to 1 (or the "
+                    f"GPUs of a node) when the cluster starts, or use --no-gpu."
+                )
+            per_task = int(info.task_gpus)
+            if np % per_task:
+                below = np // per_task * per_task
+                sizes = (f"-np {below} or -np {below + per_task}" if below
+                         else f"-np {per_task}")
+                raise CapacityError(
+                    f"-np {np} is not a multiple of {per_task}: each Spark task of this cluster "
+                    f"has {per_task} GPUs (spark.task.resource.gpu.amount={per_task}) and runs "
+                    f"{per_task} ranks, one per GPU. Use {sizes}, or --no-gpu for one CPU "
+                    f"rank per task."
+                )
+            if per_task > 1 and info.counted and np // per_task > info.slots:
+                raise CapacityError(
+                    f"asked for {np} ranks ({np // per_task} barrier tasks of {per_task} "
+                    f"GPUs), but this Spark cluster can run only {info.slots} barrier tasks "
+                    f"at once ({info.limit()}), {info.slots * per_task} ranks, and all must "
+                    f"run together. Use -np {max(info.slots, 1) * per_task} or fewer, add "
+                    f"executors, or -np -{np} for {np} local ranks on the driver."
                 )
         if not info.counted:
             return  # Spark's own barrier check is all there is (docs/spark.md, Spark Connect)
@@ -381,7 +414,7 @@ class SparkLauncher:
                 f"now ({info.describe()}). Wait for the workers to join (%dist_status shows "
                 f"them), or use -np -{np} for {np} local ranks on the driver."
             )
-        if np > info.slots:
+        if np > info.slots and self.ranks_per_task(gpu) == 1:
             raise CapacityError(
                 f"asked for {np} ranks, but this Spark cluster can run only {info.slots} "
                 f"barrier tasks at once ({info.limit()}), and all {np} must run together. Use "
@@ -410,7 +443,8 @@ class SparkLauncher:
         import nbdist
 
         group = f"nbdist-{request.job_id}-{secrets.token_hex(4)}"
-        task = _barrier_task(request, nbdist.__version__, self._warmth())
+        self._per_task = self.ranks_per_task(request.gpu)
+        task = _barrier_task(request, nbdist.__version__, self._warmth(), self._per_task)
         guard_stop_button()
         with self._lock:
             self._group = group
@@ -437,7 +471,8 @@ class SparkLauncher:
                 sc.setJobGroup(group, f"nbdist job {request.job_id}: {request.np} ranks",
                                interruptOnCancel=True)
                 if not self._cancelled:
-                    rdd = sc.parallelize(range(request.np), request.np).barrier()
+                    tasks = request.np // self._per_task
+                    rdd = sc.parallelize(range(tasks), tasks).barrier()
                     rows = rdd.mapPartitions(task).collect()
         except BaseException as exc:  # the stage failed or was cancelled: outcomes below
             error = exc
@@ -464,7 +499,8 @@ class SparkLauncher:
         try:
             if self._cancelled:
                 return []
-            frame = session.range(request.np, numPartitions=request.np)
+            tasks = request.np // self._per_task
+            frame = session.range(tasks, numPartitions=tasks)
             rows = frame.mapInArrow(_arrow_task(task), "rank long, outcome binary",
                                     barrier=True).collect()
         finally:
@@ -488,7 +524,7 @@ class SparkLauncher:
                 "type": "LaunchError", "traceback": "",
                 "message": f"the barrier task of rank {rank} returned no outcome",
             })
-        if culprit is not None and culprit != rank:
+        if culprit is not None and culprit != rank // self._per_task:
             # Spark stopped it with the failed stage
             return RankOutcome(rank, RankStatus.CANCELLED, lost_host=lost_host)
         stage, cause = _spark_reason(error)
@@ -653,8 +689,9 @@ def _arrow_task(task: _Task) -> Callable[[Iterable[Any]], Iterator[Any]]:
 
 
 def _barrier_task(request: LaunchRequest, version: str,
-                  warm: tuple[str, str, float] | None = None) -> _Task:
-    """The function each barrier task runs; pickled by value, so it holds plain values only."""
+                  warm: tuple[str, str, float] | None = None, per_task: int = 1) -> _Task:
+    """The function each barrier task runs; pickled by value, so it holds plain values only.
+    With ``per_task`` > 1 (k GPUs per task) a task runs k ranks, one per GPU."""
     job_id, np, secret, driver = request.job_id, request.np, request.secret, request.driver
     payload, gpu, env, run_id = request.payload, request.gpu, dict(request.env), request.run_id
     session, heartbeat_timeout = request.session, request.heartbeat_timeout
@@ -667,9 +704,10 @@ def _barrier_task(request: LaunchRequest, version: str,
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        rank = ctx.partitionId()
+        task = ctx.partitionId()
+        rank = task * per_task
         try:
-            from nbdist.rank.task import run_task
+            from nbdist.rank.task import run_ranks, run_task
         except ImportError as exc:  # said here, not as an unpickling error deep in Spark's log
             import socket
             import sys
@@ -684,7 +722,17 @@ def _barrier_task(request: LaunchRequest, version: str,
                 f"has it.",
             }}
             return
-        yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env, version,
-                             run_id, session, heartbeat_timeout, scheduled, warm, modules)
+        if per_task == 1:
+            yield rank, run_task(ctx, rank, job_id, np, secret, driver, payload, gpu, env,
+                                 version, run_id, session, heartbeat_timeout, scheduled, warm,
+                                 modules)
+            return
+
+        def one(r: int, gpus: tuple[str, ...]) -> OutcomeFields:
+            return run_task(ctx, r, job_id, np, secret, driver, payload, gpu, env, version,
+                            run_id, session, heartbeat_timeout, scheduled, warm, modules,
+                            task=task, gpus=gpus, gather_ok=False)
+
+        yield from run_ranks(ctx, task, per_task, one)
 
     return nbdist_rank
