@@ -18,7 +18,6 @@ reads only what changed.
 from __future__ import annotations
 
 import ast
-import dis
 import functools
 import hashlib
 import os
@@ -46,14 +45,16 @@ def top_names(modules: Iterable[str]) -> set[str]:
     return {m.partition(".")[0] for m in modules if m and not m.startswith(".")}
 
 
-def code_imports(code: types.CodeType) -> Iterator[str]:
-    """Modules a code object (and the code nested in it) imports by absolute name."""
-    for ins in dis.get_instructions(code):
-        if ins.opname == "IMPORT_NAME" and isinstance(ins.argval, str):
-            yield ins.argval
+def code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names of a code object and the code nested in it: a superset
+    of the modules it imports (``import x`` names ``x`` there), read without disassembling
+    it (which costs about a hundred times more); :func:`shipped_code` keeps only those that
+    name a module of the notebook's own."""
+    names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            yield from code_imports(const)
+            names |= code_names(const)
+    return names
 
 
 def source_imports(tree: ast.AST) -> Iterator[str]:
@@ -81,8 +82,8 @@ def objects_modules(objs: Iterable[Any]) -> set[str]:
         if isinstance(module, str):
             found.add(module)
         code = getattr(obj, "__code__", None)
-        if isinstance(code, types.CodeType):
-            found.update(code_imports(code))
+        if isinstance(code, types.CodeType) and module == "__main__":  # shipped by value
+            found |= code_names(code)
     return found
 
 
@@ -92,7 +93,10 @@ def shipped_code(modules: Iterable[str]) -> ShippedCode | None:
     roots = _local_roots()
     if not roots:
         return None
-    todo = sorted(top_names(modules))
+    # Only names that the kernel imported or that a local folder holds can be the notebook's
+    # own: the rest (most of the names a function's code uses) is never looked up.
+    here = _names_in(roots)
+    todo = sorted(n for n in top_names(modules) if n in sys.modules or n in here)
     seen: set[str] = set()
     files: dict[str, bytes] = {}
     shipped: list[tuple[str, int, int]] = []
@@ -129,21 +133,55 @@ def shipped_code(modules: Iterable[str]) -> ShippedCode | None:
 
 def _local_roots() -> set[str]:
     """Real paths of the folders the notebook's own modules are found in: its working
-    directory and the ``sys.path`` entries that are not part of the installation."""
+    directory and the ``sys.path`` entries that are not part of the installation; worked out
+    again only when ``sys.path`` or the working directory changed."""
+    return set(_roots_for(tuple(e for e in sys.path if isinstance(e, str)), os.getcwd()))
+
+
+@functools.lru_cache(maxsize=8)
+def _roots_for(path: tuple[str, ...], cwd: str) -> frozenset[str]:
     from nbdist.rank.runtime import installation_dirs, is_installed
 
     dirs = installation_dirs()
     skip = _pth_dirs()
-    cwd = os.getcwd()
     roots = set()
-    for entry in [cwd, *sys.path]:
-        if not isinstance(entry, str):
-            continue
+    for entry in [cwd, *path]:
         real = os.path.realpath(entry or cwd)
         if real in skip or not os.path.isdir(real) or is_installed(real, dirs):
             continue
         roots.add(real)
-    return roots
+    return frozenset(roots)
+
+
+#: folder → (mtime_ns, the module and package names in it)
+_listings: dict[str, tuple[int, frozenset[str]]] = {}
+
+
+def _names_in(roots: Iterable[str]) -> set[str]:
+    """The names of the modules (``x.py``) and packages (``x/__init__.py``) in ``roots``;
+    each folder's listing cached until it changes."""
+    names: set[str] = set()
+    for root in roots:
+        try:
+            mtime = os.stat(root).st_mtime_ns
+        except OSError:
+            continue
+        hit = _listings.get(root)
+        if hit is None or hit[0] != mtime:
+            found = set()
+            try:
+                with os.scandir(root) as entries:
+                    for entry in entries:
+                        if entry.name.endswith(".py"):
+                            found.add(entry.name[:-3])
+                        elif entry.is_dir() and os.path.isfile(
+                                os.path.join(entry.path, "__init__.py")):
+                            found.add(entry.name)
+            except OSError:
+                continue
+            hit = _listings[root] = (mtime, frozenset(found))
+        names |= hit[1]
+    return names
 
 
 @functools.lru_cache(maxsize=1)
