@@ -339,8 +339,13 @@ class SparkLauncher:
     def capacity(self) -> Capacity:
         info = self.cluster()
         per_task = self.ranks_per_task(bool(info.task_gpus))
+        gpus = info.gpus if info.task_gpus else 0
+        if info.task_gpus and not gpus:
+            # Connect without the executors' GPU count: tasks do get GPUs (``--gpu`` stays the
+            # default), at least one task's worth.
+            gpus = math.ceil(info.task_gpus)
         return Capacity(
-            slots=info.slots * per_task, gpus=info.gpus if info.task_gpus else 0,
+            slots=info.slots * per_task, gpus=gpus,
             detail=info.describe() + (f", {per_task} ranks each (one per GPU)"
                                       if per_task > 1 else ""),
         )
