@@ -14,6 +14,7 @@ import nbdist
 from nbdist import state
 
 from ..helpers import run, wait_for
+from ..test_elastic import _fails_first
 from .test_warm_executors import _until_forked
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
@@ -113,12 +114,15 @@ def _forever() -> None:
 def test_one_rank_of_a_task_dying_fails_the_job_and_cancel_stops_all(
     spark_nodes: SparkSession,
 ) -> None:
-    """Rank 1 (task 0's second rank) killed: the job fails naming it and every rank is gone;
-    a cancelled job of such tasks ends cancelled with every rank gone."""
+    """Rank 1 (task 0's second rank) killed: the job fails naming it and every rank is gone,
+    or, with ``max_restarts``, the job restarts and ends well; a cancelled job of such tasks
+    ends cancelled with every rank gone."""
     job = nbdist.run(_dies_on_rank_1, np=4)
     with pytest.raises(nbdist.DistributedError) as info:
         job.result(timeout=300)
     assert "rank 1 of 4" in str(info.value), str(info.value)
+    restarted = nbdist.run(_fails_first("kill"), np=4, max_restarts=2)
+    assert restarted.result(timeout=300) == 1 and len(restarted.attempts) == 2
     job = nbdist.run(_forever, np=4)
     wait_for(lambda: all(r.status == state.RUNNING for r in job.state.ranks), timeout=300)
     job.cancel()
