@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c .ci/constraints.txt torch
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,tf,jax,mlflow]'
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,connect,tf,jax,mlflow]'
 	touch $@
 
 quickstart: setup
@@ -53,5 +53,5 @@ test: setup system-deps lint
 
 # Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
 bench: setup system-deps
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,tf,jax,bench]'
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,connect,tf,jax,bench]'
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run.py

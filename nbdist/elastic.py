@@ -33,6 +33,7 @@ from typing import Any
 
 from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
+from nbdist.capture import call_code
 from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason
 from nbdist.launch import backends
 from nbdist.options import JobOptions, Restarts
@@ -510,5 +511,6 @@ def run(
         restarts=Restarts(max_restarts=max_restarts, restart_on_error=restart_on_error,
                           capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir))
     options.check()
-    payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
+                            "args": args, "kwargs": kwargs}
     return _elastic(payload, np, options)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from nbdist import _pickling, channel, events, launch, logfiles, state, timeline, tracking
 from nbdist._timer import after
+from nbdist.capture import call_code
 from nbdist.errors import (
     DistributedError,
     LaunchError,
@@ -987,7 +988,8 @@ def run(
     Job
         ``.result()`` is rank 0's return value, ``.results`` every rank's.
     """
-    payload: CallPayload = {"kind": "call", "fn": fn, "args": args, "kwargs": kwargs}
+    payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
+                            "args": args, "kwargs": kwargs}
     return start(payload, np, JobOptions(backend=backend, gpu=gpu, timeout=timeout,
                                          env=dict(env or {}),
                                          label=getattr(fn, "__name__", "fn"), mlflow=mlflow))

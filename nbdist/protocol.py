@@ -314,6 +314,36 @@ class CarriedLogging:
     handlers: tuple[CarriedHandler, ...]
 
 
+@dataclass(frozen=True)
+class ShippedCode:
+    """The notebook's own modules, by value (``nbdist.capture``): modules and packages found
+    through the notebook's directory or a ``sys.path`` entry that is not installed, which the
+    ranks' hosts may not have. The rank writes ``files`` under a directory named by ``digest``
+    and puts it first on its ``sys.path`` (``nbdist.rank.localcode``), so they import under
+    their own names there, in the rank's children too."""
+
+    digest: str  # sha256 of the files, paths and contents: the directory's name on the rank
+    files: tuple[tuple[str, bytes], ...]  # (path relative to that directory, with "/", content)
+    modules: tuple[tuple[str, int, int], ...]  # (top-level name, files, bytes), for show-source
+
+    @property
+    def size(self) -> int:
+        """Bytes of all the files."""
+        return sum(len(data) for _, data in self.files)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Through a function of its own, which the rank's payload loader replaces with one that
+        # also installs the files, as the payload is read: a ``CallPayload`` holds ``code``
+        # before ``fn``, so a function of a shipped module unpickles after its module exists.
+        return shipped_code, (self.digest, self.files, self.modules)
+
+
+def shipped_code(digest: str, files: tuple[tuple[str, bytes], ...],
+                 modules: tuple[tuple[str, int, int], ...]) -> ShippedCode:
+    """A ``ShippedCode`` as unpickled anywhere but on a rank (see ``ShippedCode.__reduce__``)."""
+    return ShippedCode(digest, files, modules)
+
+
 class SessionKeys(TypedDict, total=False):
     """What a session adds to each payload it sends its ranks."""
 
@@ -340,6 +370,7 @@ class CellPayload(_Cell, total=False):
     value_names: list[str]
     returns_last: bool
     logging: CarriedLogging | None
+    code: ShippedCode | None  # the notebook's own modules, by value
 
 
 class _Script(SessionKeys):
@@ -363,6 +394,7 @@ class CallPayload(_Call, total=False):
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    code: ShippedCode | None  # the caller's own modules, by value
 
 
 class PullPayload(SessionKeys):

@@ -20,8 +20,10 @@ from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/
     no_leftover_spark_ranks,
     release,
     spark_cluster,
+    spark_connect,
     spark_local,
     spark_mark,
+    spark_nodes,
     sparks,
     uses_spark,
 )

@@ -219,6 +219,11 @@ class Sparks:
     def standalone(self) -> SparkSession:
         return self._get("standalone")
 
+    def standalone_nodes(self) -> SparkSession:
+        """The standalone cluster set up for node-level launch: each task takes both GPUs of
+        its worker (``spark.task.resource.gpu.amount=2``), one task per worker."""
+        return self._get("standalone-nodes")
+
     def _get(self, kind: str) -> SparkSession:
         if self.kind == kind and self.session is not None:
             return self.session
@@ -242,7 +247,8 @@ class Sparks:
                 .config("spark.cores.max", str(cores * len(WORKERS)))
                 .config("spark.executor.memory", "512m")
                 .config("spark.executor.resource.gpu.amount", str(len(WORKERS[0][2])))
-                .config("spark.task.resource.gpu.amount", "1")
+                .config("spark.task.resource.gpu.amount",
+                        str(len(WORKERS[0][2])) if kind == "standalone-nodes" else "1")
             )
             executors = len(WORKERS)
         session = builder.getOrCreate()
@@ -288,8 +294,71 @@ def _wait_executors(session: SparkSession, n: int) -> None:
         time.sleep(0.1)  # executors register on their own schedule
 
 
+class ConnectServer:
+    """A Spark Connect server (pyspark's own ``SparkConnectServer``) on 127.0.0.1, as an
+    application of the standalone cluster, and a client session on it."""
+
+    def __init__(self, workdir: Path, cluster: Cluster) -> None:
+        import pyspark
+
+        self.port = free_port()
+        home = Path(pyspark.__file__).parent
+        cores = WORKERS[0][1]
+        conf = {
+            **_COMMON_CONF,
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.connect.grpc.binding.port": str(self.port),
+            "spark.executor.cores": str(cores),
+            "spark.cores.max": str(cores * len(WORKERS)),
+            "spark.executor.memory": "512m",
+            "spark.executor.resource.gpu.amount": str(len(WORKERS[0][2])),
+            "spark.task.resource.gpu.amount": "1",
+        }
+        argv = [str(home / "bin" / "spark-submit"), "--class",
+                "org.apache.spark.sql.connect.service.SparkConnectServer",
+                "--master", cluster.url, "--name", "nbdist-tests-connect"]
+        for key, value in conf.items():
+            argv += ["--conf", f"{key}={value}"]
+        self.log = workdir / "connect-server.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env=dict(os.environ), stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.session: SparkSession | None = None
+
+    def connect(self) -> SparkSession:
+        """A client session, once the server takes connections and has both executors."""
+        import socket
+
+        from pyspark.sql import SparkSession
+
+        deadline = time.monotonic() + CLUSTER_START_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the Spark Connect server did not start: "
+                                       f"{self.log.read_text()[-3000:]}") from None
+                time.sleep(0.2)  # a JVM starting: nothing to wait on but its port
+        self.session = SparkSession.builder.remote(f"sc://127.0.0.1:{self.port}").getOrCreate()
+        # Executors register on their own schedule: the first stage waits for them, not the
+        # tests (a one-task job runs as soon as one executor is there; ask for 4 tasks).
+        self.session.range(4, numPartitions=4).collect()
+        return self.session
+
+    def stop(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+            self.session = None
+        _stop_group(self.proc)
+
+
 #: The fixtures that give a test Spark; a test using none of them needs no session.
-SPARK_FIXTURES = frozenset({"spark_mark", "sparks", "spark_local", "spark_cluster"})
+SPARK_FIXTURES = frozenset({"spark_mark", "sparks", "spark_local", "spark_cluster",
+                            "spark_connect", "spark_nodes"})
+#: The fixtures that need the standalone cluster.
+CLUSTER_FIXTURES = frozenset({"spark_cluster", "spark_connect", "spark_nodes"})
 _manager: Sparks | None = None
 
 
@@ -303,7 +372,7 @@ def release(items: Sequence[pytest.Item], nextitem: pytest.Item | None) -> None:
     if _manager is None or nextitem is None or uses_spark(nextitem):
         return
     rest = items[items.index(nextitem):] if nextitem in items else []
-    if any(uses_spark(item, frozenset({"spark_cluster"})) for item in rest):
+    if any(uses_spark(item, CLUSTER_FIXTURES) for item in rest):
         _manager.stop_session()
     else:
         _manager.stop()
@@ -340,7 +409,7 @@ def sparks(
         pytest.fail("the Spark tests need Java 17 (apt-get install openjdk-17-jre-headless)")
     sigint = signal.getsignal(signal.SIGINT)  # a SparkContext installs its own handler
     manager = _manager = Sparks(tmp_path_factory.mktemp("spark"), dict(os.environ))
-    if any(uses_spark(item, frozenset({"spark_cluster"})) for item in request.session.items):
+    if any(uses_spark(item, CLUSTER_FIXTURES) for item in request.session.items):
         manager.launch_cluster()  # it comes up while the local-session tests run
     yield manager
     manager.stop()
@@ -358,6 +427,36 @@ def spark_local(sparks: Sparks) -> SparkSession:
 def spark_cluster(sparks: Sparks) -> SparkSession:
     """A session on the standalone cluster: 2 executors × (3 cores, 2 fake GPUs), 4 slots."""
     return sparks.standalone()
+
+
+@pytest.fixture
+def spark_nodes(sparks: Sparks) -> SparkSession:
+    """A session on the standalone cluster with 2 GPUs per task: 2 tasks of 2 ranks each."""
+    return sparks.standalone_nodes()
+
+
+@pytest.fixture(scope="module")
+def spark_connect(sparks: Sparks, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[SparkSession]:
+    """A Spark Connect session (a ``pyspark.sql.connect`` SparkSession) on the standalone
+    cluster, through a Connect server of its own: 2 executors × (3 cores, 2 fake GPUs). One
+    server per test module; the classic session is stopped first (it would hold the cores)."""
+    sparks.stop_session()
+    sparks.launch_cluster()
+    assert sparks.cluster is not None
+    sparks.cluster.wait()
+    saved = {k: os.environ.get(k) for k in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED",
+                                            "SPARK_LOCAL_REMOTE")}
+    server = ConnectServer(tmp_path_factory.mktemp("connect"), sparks.cluster)
+    try:
+        yield server.connect()
+    finally:
+        server.stop()
+        for key, value in saved.items():  # builder.remote() marks the process as a client
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture

@@ -17,17 +17,19 @@ One job per module, in the order a cell goes through them:
   top-level ``await``/``yield``, relative imports), with their messages;
 - ``_scope``: the scope analysis: which notebook names the cell reads, needed or optional;
 - ``_ship``: what travels and how: imports by name, values in one cloudpickle stream;
+- ``_local``: the notebook's own modules (not installed), found and read to travel by value;
 - ``_refusals``: the values that cannot travel, recognised by type, with their messages;
 - ``_export``: ``--show-source`` and ``--export``.
 """
 
 from __future__ import annotations
 
-from nbdist.capture._api import Captured, capture_cell
+from nbdist.capture._api import Captured, call_code, capture_cell
 from nbdist.capture._ship import Import, Value
 from nbdist.capture._syntax import RANK_MAGICS
 
-__all__ = ["LARGE_VALUE_BYTES", "RANK_MAGICS", "Captured", "Import", "Value", "capture_cell"]
+__all__ = ["LARGE_VALUE_BYTES", "RANK_MAGICS", "Captured", "Import", "Value", "call_code",
+           "capture_cell"]
 
 #: Values that pickle to more than this many bytes make capture warn (``CaptureWarning``):
 #: every rank receives a copy at start-up. ``%config DistMagics.large_value_mb = 500`` sets it

@@ -23,11 +23,20 @@ from typing import Any
 from nbdist import capture as _package
 from nbdist.capture import _launchers as launchers
 from nbdist.capture._export import function_source, write_export
+from nbdist.capture._local import objects_modules, shipped_code, source_imports
 from nbdist.capture._scope import Flow, Need
-from nbdist.capture._ship import Import, Value, by_name, large_message, ship, submodules_reached
+from nbdist.capture._ship import (
+    Import,
+    Value,
+    by_name,
+    large_code_message,
+    large_message,
+    ship,
+    submodules_reached,
+)
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, Lines, has_value, parse
 from nbdist.errors import CaptureWarning
-from nbdist.protocol import CellPayload
+from nbdist.protocol import CellPayload, ShippedCode
 
 
 @dataclass
@@ -44,6 +53,7 @@ class Captured:
     returns_last: bool = True
     line_offset: int = 0  # lines above the cell body (the %%distributed line)
     flags: int = 0  # compiler flags of __future__ features in effect in the notebook
+    code: ShippedCode | None = None  # the notebook's own modules, by value
 
     def payload(self) -> CellPayload:
         """What the rank runtime executes on each rank (``protocol.CellPayload``)."""
@@ -58,6 +68,7 @@ class Captured:
             "data": self.data,
             "value_names": [v.name for v in self.values],
             "returns_last": self.returns_last,
+            "code": self.code,
         }
 
     def function_source(self, name: str = "cell") -> str:
@@ -129,33 +140,51 @@ def capture_cell(
     flags = compile_flags & CO_FUTURE_ANNOTATIONS
     lines = Lines(cell, line_offset)
     with _gc_paused():
-        source, needs, returns_last = _analyse(cell, transform, filename, lines, user_ns,
-                                               bool(flags))
+        source, needs, returns_last, modules = _analyse(cell, transform, filename, lines,
+                                                        user_ns, bool(flags))
     imports, shipping = by_name(needs, user_ns, remote_names)
     captured = Captured(
         source=source, filename=filename, imports=imports,
         submodules=submodules_reached(source, imports), returns_last=returns_last,
         line_offset=line_offset, flags=flags,
     )
+    modules.update(i.module for i in imports)
+    limit = _package.LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
     if shipping:
-        captured.values, captured.data, captured.left_out = ship(shipping, user_ns, lines)
-        limit = _package.LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
+        captured.values, captured.data, captured.left_out = ship(shipping, user_ns, lines,
+                                                                 modules)
         for v in captured.values:
             if v.size > limit:
                 warnings.warn(large_message(v, limit, lines), CaptureWarning, stacklevel=2)
+    captured.code = shipped_code(modules)
+    if captured.code is not None and captured.code.size > limit:
+        warnings.warn(large_code_message(captured.code, limit), CaptureWarning, stacklevel=2)
     return captured
+
+
+def call_code(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ShippedCode | None:
+    """The caller's own modules that ``nbdist.run(fn, *args, **kwargs)`` needs on the ranks:
+    those of ``fn`` (its module, what its code imports) and of the arguments' classes, with
+    what they import; None when there are none. A large tree warns as in :func:`capture_cell`.
+    """
+    code = shipped_code(objects_modules((fn, *args, *kwargs.values())))
+    limit = _package.LARGE_VALUE_BYTES
+    if code is not None and code.size > limit:
+        warnings.warn(large_code_message(code, limit), CaptureWarning, stacklevel=3)
+    return code
 
 
 def _analyse(cell: str, transform: Callable[[str], str] | None, filename: str, lines: Lines,
              universe: Container[str], future_annotations: bool
-             ) -> tuple[str, dict[str, Need], bool]:
-    """The cell as Python, the notebook names it reads, and whether it has a value. Only
-    these small results outlive the call: the tree goes with it (see :func:`_gc_paused`)."""
+             ) -> tuple[str, dict[str, Need], bool, set[str]]:
+    """The cell as Python, the notebook names it reads, whether it has a value, and the
+    modules it imports. Only these small results outlive the call: the tree goes with it
+    (see :func:`_gc_paused`)."""
     source, tree = parse(cell, transform, filename, lines.offset)
     launchers.check(tree, lines)  # Lightning's ddp_notebook: refused before launch
     # a ``from __future__ import annotations`` in the cell is seen by the flow itself
     needs = Flow(lines, future_annotations, filename, universe).run(tree)
-    return source, needs, has_value(tree, source, lines.offset)
+    return source, needs, has_value(tree, source, lines.offset), set(source_imports(tree))
 
 
 @contextlib.contextmanager

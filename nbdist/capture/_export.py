@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbdist.capture._scope import FUNCS
-from nbdist.capture._ship import human_size
+from nbdist.capture._ship import code_summary, human_size
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, last_expr
 from nbdist.rank.shell import RankShell
 
@@ -32,6 +32,9 @@ def function_source(captured: Captured, name: str = "cell") -> str:
         if captured.submodules:
             subs = ", ".join(captured.submodules)
             out.append(f"    # and the submodules the cell reaches: {subs}")
+    if captured.code is not None:
+        out.append(f"    # the notebook's own modules, shipped by value "
+                   f"({human_size(captured.code.size)}): {code_summary(captured.code)}")
     if captured.values:
         total = sum(v.size for v in captured.values)
         out.append(f"    # shipped by value from the notebook (cloudpickle, {human_size(total)})")

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist._pickling import Pickler
+from nbdist.capture._local import objects_modules
 from nbdist.capture._refusals import Refused, kind_of, refusal, rule_for, type_name, unpicklable
 from nbdist.capture._scope import Need
 from nbdist.capture._syntax import Lines
-from nbdist.protocol import cell_namespace
+from nbdist.protocol import ShippedCode, cell_namespace
 
 #: Names IPython puts in the user namespace that never travel.
 _IPYTHON_NAMES = frozenset({
@@ -178,6 +179,9 @@ class _Pickler(Pickler):
     def __init__(self, file: io.BytesIO, user_ns: Mapping[str, Any]) -> None:
         super().__init__(file)
         self.globals_ref[id(user_ns)] = _NamespaceMarker()
+        #: modules the stream refers to (classes, functions and modules pickled by name, what
+        #: the functions pickled by value import): the notebook's own among them travel too
+        self.modules: set[str] = set()
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is _NamespaceMarker:
@@ -185,13 +189,16 @@ class _Pickler(Pickler):
         rule = rule_for(obj)
         if rule is not None:
             raise Refused(obj, rule)
+        if isinstance(obj, type | types.FunctionType | types.ModuleType):
+            self.modules.update(objects_modules((obj,)))
         return super().reducer_override(obj)
 
 
-def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines
-         ) -> tuple[list[Value], bytes, dict[str, str]]:
+def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines,
+         modules: set[str] | None = None) -> tuple[list[Value], bytes, dict[str, str]]:
     """Pickle the values in one stream; refuse needed ones that cannot go, drop optional ones.
-    Returns the values shipped, the stream, and why each optional value left out was.
+    Returns the values shipped, the stream, and why each optional value left out was; adds
+    the modules the stream refers to to ``modules``.
 
     A failed dump leaves the stream and its memo half-written, so after dropping an optional
     value everything is pickled again from the start (failures are rare; retries cheap)."""
@@ -224,6 +231,8 @@ def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines
             failed = name
             break
         if failed is None:
+            if modules is not None:
+                modules.update(pickler.modules)
             return values, buf.getvalue(), left_out
         names.remove(failed)
 
@@ -246,4 +255,25 @@ def large_message(v: Value, limit: int, lines: Lines) -> str:
         f"from a file the ranks can read, or raise the threshold: "
         f"%config DistMagics.large_value_mb = "
         f"{max(1, int(v.size / 1e6) + 1)}"
+    )
+
+
+def code_summary(code: ShippedCode) -> str:
+    """The notebook's own modules in a line: ``helpers (1.2 KB), mypkg/ (3 files, 4.5 KB)``."""
+    parts = []
+    for name, count, size in code.modules:
+        files = f"{count} files, " if name.endswith("/") else ""
+        parts.append(f"{name} ({files}{human_size(size)})")
+    return ", ".join(parts)
+
+
+def large_code_message(code: ShippedCode, limit: int) -> str:
+    """The warning for the notebook's own modules when they are more than ``limit`` bytes."""
+    return (
+        f"the notebook's own modules shipped by value ({code_summary(code)}) are "
+        f"{human_size(code.size)}, over the {human_size(limit)} warning threshold: every rank "
+        f"receives a copy at start-up, which is slow. Keep data files out of the package's "
+        f"folder, install the package where the ranks run (then it is imported by name), or "
+        f"raise the threshold: %config DistMagics.large_value_mb = "
+        f"{max(1, int(code.size / 1e6) + 1)}"
     )

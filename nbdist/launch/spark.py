@@ -15,6 +15,12 @@ after ``CANCEL_GRACE_S`` are cancelled through this job's Spark job group. When 
 worker dies however it happens (Spark kills it, an executor is lost), its rank sees its control
 pipe close and kills its own process group (``rank/runtime.py``).
 
+A Spark Connect session (no SparkContext) runs the same tasks through the DataFrame API:
+``spark.range(N, numPartitions=N).mapInArrow(task, schema, barrier=True)``, each task's outcome
+pickled into its one row; cancelled through this job's tag (``addTag``/``interruptTag``), and
+counted from the server's configuration (:func:`read_connect_cluster`), which is all Connect
+exposes.
+
 pyspark is imported lazily: this module is only imported when Spark is used, and the task side
 runs inside Spark's Python workers.
 """
@@ -34,7 +40,7 @@ from types import FrameType
 from typing import Any
 
 from nbdist import channel, events, launch
-from nbdist.errors import CapacityError, LaunchError
+from nbdist.errors import CapacityError
 from nbdist.launch import Capacity, gpus_text
 from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
 
@@ -75,16 +81,10 @@ def active_session() -> Any:
     return session
 
 
-def _context(session: Any) -> Any:
-    try:
-        return session.sparkContext
-    except Exception:  # Spark Connect sessions have no SparkContext (and no RDDs)
-        raise LaunchError(
-            "this SparkSession is a Spark Connect session, which cannot run barrier stages: the "
-            "Spark backend needs a classic session with a SparkContext (on Databricks: a "
-            "cluster in dedicated / single-user access mode). -np -N runs N local ranks on the "
-            "driver instead."
-        ) from None
+def is_connect(session: Any) -> bool:
+    """Whether ``session`` is a Spark Connect session (``SparkSession.builder.remote(...)``,
+    Databricks' standard access mode and serverless): it has no SparkContext."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +101,7 @@ class ClusterInfo:
     cpu_slots: int
     gpu_slots: int | None  # None without a task GPU resource
     estimated: bool = False  # Spark's own count was out of reach; slots is from the conf
+    counted: bool = True  # False: not even the conf tells (Spark Connect), slots is 0
 
     def limit(self) -> str:
         """Which resource bounds ``slots``, in words."""
@@ -128,6 +129,12 @@ class ClusterInfo:
                                     if self.gpus else ", no GPUs")
         )
         how = "estimated from the configuration" if self.estimated else "as Spark counts them"
+        if not self.counted:
+            return (
+                f"Spark Connect {self.master}: barrier task slots unknown (Spark Connect does "
+                f"not list executors, and spark.executor.instances / spark.executor.cores are "
+                f"not set; spark.task.cpus={self.task_cpus}{gpus})"
+            )
         return (
             f"Spark {self.master}: {self._executors()}, {self.cores} cores "
             f"(spark.task.cpus={self.task_cpus}){gpus} -> {self.slots} barrier task slots "
@@ -187,6 +194,55 @@ def read_cluster(sc: Any) -> ClusterInfo:
     )
 
 
+def read_connect_cluster(session: Any) -> ClusterInfo:
+    """Count a Spark Connect session's barrier slots from what Connect exposes: the server's
+    configuration. Connect has no SparkContext, hence no executor list and no
+    ``maxNumConcurrentTasks``: the slots come from ``spark.master`` (``local[N]``) or from
+    ``spark.executor.instances`` × ``spark.executor.cores`` (or ``spark.cores.max``) divided by
+    ``spark.task.cpus``, and GPUs from ``spark.executor.resource.gpu.amount``. When none of
+    these is set (a standalone cluster that gives each application every core), the count
+    is unknown (``counted=False``), and said so rather than guessed."""
+
+    def conf(key: str) -> str:
+        try:
+            return str(session.conf.get(key, None) or "")
+        except Exception:  # a setting the server does not let clients read
+            return ""
+
+    def number(key: str) -> float:
+        try:
+            return float(conf(key) or 0)
+        except ValueError:
+            return 0.0
+
+    master = conf("spark.master")
+    task_cpus = max(1, int(number("spark.task.cpus") or 1))
+    task_gpus = number("spark.task.resource.gpu.amount")
+    executor_gpus = int(number("spark.executor.resource.gpu.amount"))
+    local = re.fullmatch(r"local(?:-cluster)?\[(\d+)(?:,.*)?\]|local", master)
+    executors = int(number("spark.executor.instances"))
+    executor_cores = int(number("spark.executor.cores"))
+    if local is not None and master != "local[*]":
+        executors, cores = 1, int(local.group(1) or 1)
+    elif executors and executor_cores:
+        cores = executors * executor_cores
+    elif number("spark.cores.max") and executor_cores:
+        cores = int(number("spark.cores.max"))
+        executors = cores // executor_cores
+    else:
+        executors = cores = 0
+    gpus = executors * executor_gpus
+    cpu_slots = cores // task_cpus
+    gpu_slots = math.floor(gpus / task_gpus + 1e-9) if task_gpus and gpus else None
+    counted = cores > 0
+    slots = min(cpu_slots, gpu_slots) if gpu_slots is not None else cpu_slots
+    return ClusterInfo(
+        master=master or "(spark.master not readable)", executors=executors, cores=cores,
+        task_cpus=task_cpus, gpus=gpus, task_gpus=task_gpus, slots=slots, cpu_slots=cpu_slots,
+        gpu_slots=(gpu_slots or 0) if task_gpus else None, estimated=True, counted=counted,
+    )
+
+
 class SparkLauncher:
     """Ranks as the tasks of one Spark barrier stage; see the module docstring.
 
@@ -201,12 +257,15 @@ class SparkLauncher:
 
     def __init__(self, session: Any = None) -> None:
         self._session = active_session() if session is None else session
-        self._sc = _context(self._session)
+        #: Spark Connect: the stage goes through the DataFrame API, cancel through job tags
+        self.connect = is_connect(self._session)
+        self._sc: Any = None if self.connect else self._session.sparkContext
         self._lock = threading.Lock()
         self._group: str | None = None
         self._cancelled = False
         self._killed = False  # Spark's job group was cancelled: lost tasks were killed by us
         self._finished = threading.Event()
+        self._per_task = 1  # ranks per barrier task: the GPUs of a task, with --gpu
 
     # -- capacity ---------------------------------------------------------------------------
     def cluster(self, want: int = 1) -> ClusterInfo:
@@ -215,6 +274,8 @@ class SparkLauncher:
         Executors register a moment after a session starts: a young session gets up to
         ``EXECUTOR_WAIT_S`` for them. A local master's slots are fixed from the start.
         """
+        if self.connect:
+            return read_connect_cluster(self._session)
         sc = self._sc
         age = time.time() - int(sc.startTime) / 1000
         wait = 0.0 if str(sc.master).startswith("local") else EXECUTOR_WAIT_S
@@ -237,11 +298,15 @@ class SparkLauncher:
         ``%config DistMagics.driver_host`` / ``NBDIST_DRIVER_HOST`` and the fixed port
         ``DistMagics.driver_port`` / ``NBDIST_DRIVER_PORT`` instead.
         """
-        conf = self._sc.getConf()
-        bind = str(conf.get("spark.driver.bindAddress") or "")
+        bind = self._conf("spark.driver.bindAddress") if not self.connect else ""
         host, host_from = launch.setting("driver_host")
+        if not host and self.connect:
+            # The notebook is Spark Connect's client, not Spark's driver: spark.driver.host
+            # is the server's machine. The ranks reach this one.
+            host, host_from = (channel.hostname_for_peers(),
+                               "this machine's address: a Spark Connect client")
         if not host:
-            spark_host = conf.get("spark.driver.host")
+            spark_host = self._conf("spark.driver.host")
             host, host_from = (
                 (str(spark_host), "spark.driver.host") if spark_host
                 else (channel.hostname_for_peers(), "this machine's address")
@@ -262,16 +327,41 @@ class SparkLauncher:
         )
         return events.DriverAddress(bind, host, port, source)
 
+    def ranks_per_task(self, gpu: bool) -> int:
+        """Ranks each barrier task runs: with ``gpu``, one per GPU of the task
+        (``spark.task.resource.gpu.amount``, a whole number); else one."""
+        try:
+            amount = float(self._conf("spark.task.resource.gpu.amount") or 0)
+        except ValueError:
+            return 1
+        return int(amount) if gpu and amount >= 1 and amount == int(amount) else 1
+
     def capacity(self) -> Capacity:
         info = self.cluster()
+        per_task = self.ranks_per_task(bool(info.task_gpus))
+        gpus = info.gpus if info.task_gpus else 0
+        if info.task_gpus and not gpus:
+            # Connect without the executors' GPU count: tasks do get GPUs (``--gpu`` stays the
+            # default), at least one task's worth.
+            gpus = math.ceil(info.task_gpus)
         return Capacity(
-            slots=info.slots, gpus=info.gpus if info.task_gpus else 0, detail=info.describe()
+            slots=info.slots * per_task, gpus=gpus,
+            detail=info.describe() + (f", {per_task} ranks each (one per GPU)"
+                                      if per_task > 1 else ""),
         )
 
+    def _conf(self, key: str) -> str:
+        """A setting of the session's Spark ("" when unset or not readable)."""
+        try:
+            if self.connect:
+                return str(self._session.conf.get(key, None) or "")
+            return str(self._sc.getConf().get(key) or "")
+        except Exception:  # a setting a Connect server does not let clients read
+            return ""
+
     def check(self, np: int, gpu: bool) -> None:
-        conf = self._sc.getConf()
-        master = str(self._sc.master)
-        if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true" and not (
+        master = self._conf("spark.master")
+        if self._conf("spark.dynamicAllocation.enabled").lower() == "true" and not (
             master.startswith("local")
         ):
             # Spark refuses barrier stages under dynamic allocation (SPARK-24942): executors
@@ -295,19 +385,41 @@ class SparkLauncher:
                     "spark.worker.resource.gpu.* on a standalone cluster) when the cluster "
                     "starts; Databricks sets these on GPU clusters. Or use --no-gpu."
                 )
-            if info.task_gpus != 1:
+            if info.task_gpus < 1 or info.task_gpus != int(info.task_gpus):
                 raise CapacityError(
-                    "--gpu gives each rank one GPU of its own, which needs "
-                    f"spark.task.resource.gpu.amount=1; it is {info.task_gpus:g} on this "
-                    "cluster. Set it to 1 when the cluster starts, or use --no-gpu."
+                    "--gpu gives each rank one GPU of its own, which needs a whole number of "
+                    f"GPUs per task (spark.task.resource.gpu.amount=k: k ranks per task, one "
+                    f"per GPU); it is {info.task_gpus:g} on this cluster. Set it to 1 (or the "
+                    f"GPUs of a node) when the cluster starts, or use --no-gpu."
                 )
+            per_task = int(info.task_gpus)
+            if np % per_task:
+                below = np // per_task * per_task
+                sizes = (f"-np {below} or -np {below + per_task}" if below
+                         else f"-np {per_task}")
+                raise CapacityError(
+                    f"-np {np} is not a multiple of {per_task}: each Spark task of this cluster "
+                    f"has {per_task} GPUs (spark.task.resource.gpu.amount={per_task}) and runs "
+                    f"{per_task} ranks, one per GPU. Use {sizes}, or --no-gpu for one CPU "
+                    f"rank per task."
+                )
+            if per_task > 1 and info.counted and np // per_task > info.slots:
+                raise CapacityError(
+                    f"asked for {np} ranks ({np // per_task} barrier tasks of {per_task} "
+                    f"GPUs), but this Spark cluster can run only {info.slots} barrier tasks "
+                    f"at once ({info.limit()}), {info.slots * per_task} ranks, and all must "
+                    f"run together. Use -np {max(info.slots, 1) * per_task} or fewer, add "
+                    f"executors, or -np -{np} for {np} local ranks on the driver."
+                )
+        if not info.counted:
+            return  # Spark's own barrier check is all there is (docs/spark.md, Spark Connect)
         if info.executors == 0 or info.slots == 0:
             raise CapacityError(
                 f"asked for {np} ranks, but no executor of this Spark cluster can run a task "
                 f"now ({info.describe()}). Wait for the workers to join (%dist_status shows "
                 f"them), or use -np -{np} for {np} local ranks on the driver."
             )
-        if np > info.slots:
+        if np > info.slots and self.ranks_per_task(gpu) == 1:
             raise CapacityError(
                 f"asked for {np} ranks, but this Spark cluster can run only {info.slots} "
                 f"barrier tasks at once ({info.limit()}), and all {np} must run together. Use "
@@ -323,7 +435,9 @@ class SparkLauncher:
         if os.environ.get("NBDIST_ZYGOTE", "1") == "0" or os.environ.get(
                 "NBDIST_WARM_POOL", "1") == "0":
             return None
-        app = str(self._sc.applicationId)
+        app = self._conf("spark.app.id") if self.connect else str(self._sc.applicationId)
+        if not app:
+            return None
         with _SECRETS_LOCK:
             secret = _APP_SECRETS.setdefault(app, secrets.token_hex(32))
         return app, secret, float(os.environ.get("NBDIST_WARM_IDLE_S", "600"))
@@ -334,16 +448,18 @@ class SparkLauncher:
         import nbdist
 
         group = f"nbdist-{request.job_id}-{secrets.token_hex(4)}"
-        task = _barrier_task(request, nbdist.__version__, self._warmth())
+        self._per_task = self.ranks_per_task(request.gpu)
+        task = _barrier_task(request, nbdist.__version__, self._warmth(), self._per_task)
         guard_stop_button()
         with self._lock:
             self._group = group
         # The stage runs from a thread of its own: the kernel's thread stays free to render and
-        # to take the stop button, and setJobGroup only applies to the thread that submits.
-        thread = InheritableThread(
-            target=self._submit, args=(request, group, task, on_outcome),
-            name=f"nbdist-spark-{request.job_id}", daemon=True,
-        )
+        # to take the stop button, and setJobGroup (addTag on Connect) only applies to the
+        # thread that submits. On Connect a plain thread: InheritableThread would copy the
+        # session's tags of the calling thread, and the job's own tag is all it needs.
+        maker: Any = threading.Thread if self.connect else InheritableThread
+        thread = maker(target=self._submit, args=(request, group, task, on_outcome),
+                       name=f"nbdist-spark-{request.job_id}", daemon=True)
         thread.start()
 
     def _submit(
@@ -353,13 +469,16 @@ class SparkLauncher:
         rows: list[tuple[int, dict[str, Any]]] = []
         error: BaseException | None = None
         try:
-            sc = self._sc
-            sc.setJobGroup(
-                group, f"nbdist job {request.job_id}: {request.np} ranks", interruptOnCancel=True
-            )
-            if not self._cancelled:
-                rdd = sc.parallelize(range(request.np), request.np).barrier().mapPartitions(task)
-                rows = rdd.collect()
+            if self.connect:
+                rows = self._collect_connect(request, group, task)
+            else:
+                sc = self._sc
+                sc.setJobGroup(group, f"nbdist job {request.job_id}: {request.np} ranks",
+                               interruptOnCancel=True)
+                if not self._cancelled:
+                    tasks = request.np // self._per_task
+                    rdd = sc.parallelize(range(tasks), tasks).barrier()
+                    rows = rdd.mapPartitions(task).collect()
         except BaseException as exc:  # the stage failed or was cancelled: outcomes below
             error = exc
         finally:
@@ -372,6 +491,26 @@ class SparkLauncher:
             if outcome is None:
                 outcome = self._lost(rank, error, culprit, lost_host)
             on_outcome(outcome)
+
+    def _collect_connect(self, request: LaunchRequest, tag: str, task: _Task
+                         ) -> list[tuple[int, dict[str, Any]]]:
+        """The barrier stage on Spark Connect: ``mapInArrow(..., barrier=True)`` over one row
+        per rank, under this job's tag (``addTag`` applies to this thread's operations only),
+        each task's outcome pickled in a binary column."""
+        import pickle
+
+        session = self._session
+        session.addTag(tag)
+        try:
+            if self._cancelled:
+                return []
+            tasks = request.np // self._per_task
+            frame = session.range(tasks, numPartitions=tasks)
+            rows = frame.mapInArrow(_arrow_task(task), "rank long, outcome binary",
+                                    barrier=True).collect()
+        finally:
+            session.removeTag(tag)
+        return [(int(row["rank"]), pickle.loads(row["outcome"])) for row in rows]
 
     def _lost(
         self, rank: int, error: BaseException | None, culprit: int | None,
@@ -390,7 +529,7 @@ class SparkLauncher:
                 "type": "LaunchError", "traceback": "",
                 "message": f"the barrier task of rank {rank} returned no outcome",
             })
-        if culprit is not None and culprit != rank:
+        if culprit is not None and culprit != rank // self._per_task:
             # Spark stopped it with the failed stage
             return RankOutcome(rank, RankStatus.CANCELLED, lost_host=lost_host)
         stage, cause = _spark_reason(error)
@@ -410,7 +549,7 @@ class SparkLauncher:
         """The host of the executor whose loss failed the stage, if that is what happened."""
         text = str(error)
         found = _EXECUTOR_LOST.search(text)
-        if found is None:
+        if found is None or self.connect:  # Connect: no executor list to find the host in
             return None
         executor = found.group(1)
         # A barrier stage's failure names the executor, not its host: Spark's list of
@@ -446,7 +585,10 @@ class SparkLauncher:
         if self._finished.wait(CANCEL_GRACE_S):
             return
         self._killed = True
-        self._sc.cancelJobGroup(group)
+        if self.connect:
+            self._session.interruptTag(group)  # this job's tag: nobody else's operations
+        else:
+            self._sc.cancelJobGroup(group)
 
 
 def guard_stop_button() -> None:
@@ -527,9 +669,29 @@ def _spark_reason(error: BaseException) -> tuple[str, str]:
 
 
 # -- the task side: runs inside Spark's Python workers ------------------------------------------
+def _arrow_task(task: _Task) -> Callable[[Iterable[Any]], Iterator[Any]]:
+    """``task`` as a ``mapInArrow`` function: its one input batch read, its outcome pickled
+    into one record batch (``rank long, outcome binary``)."""
+
+    def nbdist_rank_arrow(batches: Iterable[Any]) -> Iterator[Any]:
+        import pickle
+
+        import pyarrow as pa
+
+        for _ in batches:  # one row (the rank): nothing to read
+            pass
+        for rank, fields in task(()):
+            yield pa.RecordBatch.from_pydict(
+                {"rank": [rank], "outcome": [pickle.dumps(fields)]},
+                schema=pa.schema([("rank", pa.int64()), ("outcome", pa.binary())]))
+
+    return nbdist_rank_arrow
+
+
 def _barrier_task(request: LaunchRequest, version: str,
-                  warm: tuple[str, str, float] | None = None) -> _Task:
-    """The function each barrier task runs; pickled by value, so it holds plain values only."""
+                  warm: tuple[str, str, float] | None = None, per_task: int = 1) -> _Task:
+    """The function each barrier task runs; pickled by value, so it holds plain values only.
+    With ``per_task`` > 1 (k GPUs per task) a task runs k ranks, one per GPU."""
     fields = request.fields()  # plain values: LaunchRequest is rebuilt once nbdist is known
 
     def nbdist_rank(_: Iterable[Any]) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -539,9 +701,10 @@ def _barrier_task(request: LaunchRequest, version: str,
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        rank = ctx.partitionId()
+        task = ctx.partitionId()
+        rank = task * per_task
         try:
-            from nbdist.rank.task import run_task
+            from nbdist.rank.task import run_ranks, run_task
         except ImportError as exc:  # said here, not as an unpickling error deep in Spark's log
             import socket
             import sys
@@ -556,6 +719,14 @@ def _barrier_task(request: LaunchRequest, version: str,
                 f"has it.",
             }}
             return
-        yield rank, run_task(ctx, rank, fields, version, scheduled=scheduled, warm=warm)
+        if per_task == 1:
+            yield rank, run_task(ctx, rank, fields, version, scheduled=scheduled, warm=warm)
+            return
+
+        def one(r: int, gpus: tuple[str, ...]) -> dict[str, Any]:
+            return run_task(ctx, r, fields, version, scheduled=scheduled, warm=warm, task=task,
+                            gpus=gpus, gather_ok=False)
+
+        yield from run_ranks(ctx, task, per_task, one)
 
     return nbdist_rank

@@ -25,9 +25,11 @@ import builtins
 import contextlib
 import ctypes
 import importlib
+import io
 import json
 import linecache
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -52,12 +54,13 @@ from nbdist.protocol import (
     PushPayload,
     ScriptPayload,
     SessionKeys,
+    ShippedCode,
     StateEvent,
     load_values,
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import debugger, reporting
+from nbdist.rank import debugger, localcode, reporting
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
 
@@ -557,6 +560,28 @@ class _Cells:
 _cells = _Cells()
 
 
+class _PayloadLoader(pickle.Unpickler):
+    """Unpickles a payload; its shipped code (``protocol.ShippedCode``) is installed as it is
+    read, before the functions and values of that code that come after it in the stream."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("nbdist.protocol", "shipped_code"):
+            return _install_code
+        return super().find_class(module, name)
+
+
+def _install_code(digest: str, files: tuple[tuple[str, bytes], ...],
+                  modules: tuple[tuple[str, int, int], ...]) -> ShippedCode:
+    code = ShippedCode(digest, files, modules)
+    localcode.install(code)
+    return code
+
+
+def _load_payload(data: bytes) -> Payload:
+    loaded: Payload = _PayloadLoader(io.BytesIO(data)).load()
+    return loaded
+
+
 def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:  # noqa: C901 - one branch per frame kind
     import cloudpickle
 
@@ -571,7 +596,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
         if frame[0] == Frame.ENV:
             _set_env(json.loads(frame[1]))
             continue
-        payload: Payload = cloudpickle.loads(frame[1])
+        payload: Payload = _load_payload(frame[1])
         reporting.bridge_tqdm()
         chan.event({"t": "state", "state": "running"})
         try:

@@ -18,7 +18,8 @@ from nbdist.protocol import HelloEvent, LaunchRequest, RankOutcome, RankStatus
 
 def run_task(
     ctx: Any, rank: int, request: Mapping[str, Any], version: str, *, scheduled: float = 0.0,
-    warm: tuple[str, str, float] | None = None,
+    warm: tuple[str, str, float] | None = None, task: int | None = None,
+    gpus: tuple[str, ...] | None = None, gather_ok: bool = True,
 ) -> dict[str, Any]:
     """Run one rank inside its barrier task with the shared supervisor; its outcome as plain
     fields (``RankOutcome.fields``).
@@ -27,7 +28,10 @@ def run_task(
     rebuilt here once this executor's nbdist is known to be the notebook's ``version``. With
     ``warm`` (the application's id, secret and idle time) the rank is forked from the
     executor's zygote when there is one, and a rank started fresh leaves one behind for the
-    next tasks (``executor_zygote.py``)."""
+    next tasks (``executor_zygote.py``). ``task`` is the barrier task's partition when it is
+    not the rank (a task of several ranks: :func:`run_ranks`), ``gpus`` the rank's own GPUs
+    among the task's, and ``gather_ok`` whether the fallback rendezvous (one ``allGather`` per
+    task) may stand for the event channel."""
     import json
 
     import nbdist
@@ -41,12 +45,14 @@ def run_task(
             f"both",
         }}
     launch = LaunchRequest(**request)
-    resources = ctx.resources()
-    gpus = tuple(str(a) for a in resources["gpu"].addresses) \
-        if launch.gpu and "gpu" in resources else ()
+    index = rank if task is None else task
+    if gpus is None:
+        resources = ctx.resources()
+        gpus = tuple(str(a) for a in resources["gpu"].addresses) \
+            if launch.gpu and "gpu" in resources else ()
     spec = RankSpec.for_rank(
-        launch, rank, env=_worker_pythonpath(), host=_task_host(ctx, rank), gpus=gpus,
-        python=sys.executable, executor=_executor_host(ctx, rank), scheduled=scheduled,
+        launch, rank, env=_worker_pythonpath(), host=_task_host(ctx, index), gpus=gpus,
+        python=sys.executable, executor=_executor_host(ctx, index), scheduled=scheduled,
     )
 
     def gather(hello: HelloEvent) -> list[HelloEvent]:
@@ -56,7 +62,7 @@ def run_task(
 
     zygote = _executor_zygote(spec, warm, launch.modules)
     sup = Supervisor(spec, take=_take(zygote, warm is not None, lambda: sup),
-                     gather=gather)
+                     gather=gather if gather_ok else None)
     if zygote is not None:
         sup.on_mark = zygote.on_mark
     try:
@@ -69,6 +75,46 @@ def run_task(
             "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
         })
     return outcome.fields()
+
+
+def run_ranks(ctx: Any, task: int, per_task: int, run: Callable[..., dict[str, Any]]
+              ) -> list[tuple[int, dict[str, Any]]]:
+    """A barrier task of ``per_task`` ranks (``spark.task.resource.gpu.amount = k``): ranks
+    ``task * k`` to ``task * k + k - 1``, each with one of the task's GPUs, in the order Spark
+    lists them, under supervisors of their own, side by side; their outcomes, by rank.
+
+    ``run(rank, gpus)`` runs one rank (:func:`run_task` with the job's arguments bound). The
+    fallback rendezvous (``allGather``) takes one call per task, so these ranks need the event
+    channel: the caller binds ``gather_ok=False``.
+    """
+    import threading
+
+    resources = ctx.resources()
+    addresses = [str(a) for a in resources["gpu"].addresses] if "gpu" in resources else []
+    ranks = [task * per_task + j for j in range(per_task)]
+    if len(addresses) < per_task:
+        message = (f"barrier task {task} was given {len(addresses)} GPUs ({addresses}) for its "
+                   f"{per_task} ranks (spark.task.resource.gpu.amount={per_task})")
+        return [(r, {"status": RankStatus.FAILED, "error": {
+            "type": "LaunchError", "traceback": "", "message": message}}) for r in ranks]
+    outcomes: dict[int, dict[str, Any]] = {}
+
+    def one(j: int) -> None:
+        rank = ranks[j]
+        try:
+            outcomes[rank] = run(rank, (addresses[j],))
+        except BaseException as exc:  # every rank must end with an outcome
+            outcomes[rank] = {"status": RankStatus.FAILED, "error": {
+                "type": type(exc).__name__, "traceback": traceback.format_exc(),
+                "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}"}}
+
+    threads = [threading.Thread(target=one, args=(j,), name=f"nbdist-task-rank-{r}",
+                                daemon=True) for j, r in enumerate(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [(r, outcomes[r]) for r in ranks]
 
 
 def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,

@@ -123,11 +123,19 @@ class Network:
 
     # -- running things on a host -------------------------------------------------------------
     def prefix(self, name: str) -> list[str]:
-        """The command prefix that runs a program on host ``name``, under its host name."""
+        """The command prefix that runs a program on host ``name``, under its host name.
+
+        On every host but ``driver``, the driver's temporary directory is hidden under an
+        empty tmpfs (``ip netns exec`` gives each command a mount namespace of its own, whose
+        mounts do not propagate back): what the notebook keeps there, such as a folder of its
+        own modules, really is missing on the workers, as on a real cluster."""
         host = self.hosts[name]
+        script = 'hostname "$0" && TMPDIR="$1" && export TMPDIR && '
+        if name != "driver" and "driver" in self.hosts:
+            script += 'mount -t tmpfs -o size=1m,mode=0700 nbdist-hidden "$2" && '
         return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && TMPDIR="$1" && export TMPDIR && shift && exec "$@"',
-                host.name, str(self.tmpdir(name))]
+                script + 'shift 2 && exec "$@"', host.name, str(self.tmpdir(name)),
+                str(self.tmpdir("driver") if "driver" in self.hosts else "")]
 
     def tmpdir(self, name: str) -> Path:
         """Host ``name``'s temporary directory (its ``TMPDIR``)."""

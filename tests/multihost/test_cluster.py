@@ -131,6 +131,36 @@ def test_three_hosts_with_ranks_placed_unevenly(
     assert sorted(map(len, by_host.values())) == [1, 2, 2]
 
 
+#: A folder of the notebook's own on the driver's host only (its TMPDIR, hidden on the other
+#: hosts): a module that imports a package of the same folder.
+LOCAL_CODE = """import os, pathlib, sys
+src = pathlib.Path(os.environ["TMPDIR"]) / "nb-src"
+(src / "nbdist_mh_pkg").mkdir(parents=True, exist_ok=True)
+(src / "nbdist_mh_helpers.py").write_text(
+    "from nbdist_mh_pkg import K\\n\\ndef f(x):\\n    return K * x\\n")
+(src / "nbdist_mh_pkg" / "__init__.py").write_text("K = 7\\n")
+sys.path.insert(0, str(src))
+where = str(src)
+"""
+USES_LOCAL_CODE = """%%distributed -np 4 -o got
+import os, socket
+import nbdist_mh_helpers
+(nbdist_mh_helpers.f(1), os.path.exists(where), socket.gethostname())
+"""
+
+
+def test_the_notebooks_modules_reach_hosts_that_lack_its_folder(mh: Kernel) -> None:
+    """A module and a package in a folder only the driver's host has: 4 ranks on the two
+    workers, which cannot see that folder, import them from the shipped copy."""
+    mh.execute(LOCAL_CODE)
+    mh.execute(USES_LOCAL_CODE, timeout=300)
+    got = mh.value("got")
+    assert [g[0] for g in got] == [7] * 4
+    assert not any(g[1] for g in got), got  # the folder really is missing there
+    hosts = {g[2] for g in got}
+    assert len(hosts) >= 2 and hosts <= set(WORKERS), got
+
+
 #: Ranks that meet, then the first rank on the second host raises while the others wait in
 #: a collective.
 RAISES = """%%distributed -np 4
