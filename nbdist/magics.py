@@ -366,6 +366,11 @@ class DistMagics(Magics):
             except SyntaxError as exc:  # the user's line, not nbdist's frames
                 raise CellSyntaxError(*exc.args) from None
             np = on.np if on is not None else abs(opts.np or 1)
+            for name, plan in captured.shards.items():  # before any rank starts
+                try:
+                    plan.check_ranks(np, name)
+                except ValueError as exc:
+                    raise UsageError(str(exc)) from None
             if opts.show_source:
                 print(captured.function_source())
             if opts.export:

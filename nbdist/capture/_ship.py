@@ -188,10 +188,12 @@ class _Pickler(Pickler):
         return super().reducer_override(obj)
 
 
-def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines
+def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines,
+         replace: Mapping[str, Any] | None = None
          ) -> tuple[list[Value], bytes, dict[str, str]]:
     """Pickle the values in one stream; refuse needed ones that cannot go, drop optional ones.
     Returns the values shipped, the stream, and why each optional value left out was.
+    ``replace`` maps names to what is sent in their place (a table's shard plan).
 
     A failed dump leaves the stream and its memo half-written, so after dropping an optional
     value everything is pickled again from the start (failures are rare; retries cheap)."""
@@ -203,7 +205,7 @@ def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines
         values: list[Value] = []
         failed: str | None = None
         for name in names:
-            value = user_ns[name]
+            value = replace[name] if replace and name in replace else user_ns[name]
             start = buf.tell()
             try:
                 pickler.dump(value)
