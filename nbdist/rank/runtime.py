@@ -164,14 +164,15 @@ def _run_call(payload: CallPayload) -> Any:
 
 
 def _run_pull(payload: PullPayload) -> Any:
-    """``%dist_pull``: a session variable's value (from the rank asked; None from the rest)."""
-    if int(os.environ.get("RANK", "0")) != payload["rank"]:
+    """``%dist_pull``: a session variable's value (from the rank asked; None from the rest;
+    rank -1, ``%dist_gather``: from every rank)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if payload["rank"] not in (rank, -1):
         return None
     name: str = payload["name"]
     if name not in _session_ns:
         known = ", ".join(session_names()) or "none yet"
-        raise NameError(f"rank {payload['rank']} has no variable {name!r} (defined there: "
-                        f"{known})")
+        raise NameError(f"rank {rank} has no variable {name!r} (defined there: {known})")
     return _session_ns[name]
 
 
