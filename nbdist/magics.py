@@ -652,7 +652,8 @@ def unload(shell: Any) -> None:
     Refused (a :class:`UsageError` naming them) while a job or a session cell runs: unloading
     must not throw away a run's work; cancel it (``%dist_cancel``) or let it end first. Then:
     the session stops, the warm pool lets its zygotes and interpreters go, the event servers
-    close, pyspark's own SIGINT handler is back, and ``%%distributed`` is unknown again.
+    close, ``nbdist.shard``'s exports are removed, pyspark's own SIGINT handler is back, and
+    ``%%distributed`` is unknown again.
     ``%load_ext nbdist`` starts over.
     """
     import sys
@@ -671,6 +672,8 @@ def unload(shell: Any) -> None:
     events.close_shared()
     if "nbdist.launch.spark" in sys.modules:
         sys.modules["nbdist.launch.spark"].unguard_stop_button()
+    if "nbdist.data" in sys.modules:  # nbdist.shard's exports of notebook tables
+        sys.modules["nbdist.data"].forget_all()
     manager = shell.magics_manager
     mine = manager.registry.pop(DistMagics.__name__, None)
     if mine is not None:

@@ -156,11 +156,22 @@ def test_pandas_and_torch_helpers() -> None:
     assert [b["a"].tolist() for b in loader] == [[1.0, 2.0, 3.0, 4.0]]
 
 
+def test_an_export_missing_on_the_rank_says_how_to_share_it(tmp_path: Path) -> None:
+    """A plan whose files this host does not have names the file and the setting to change."""
+    frame = pd.DataFrame({"i": range(10)})
+    plan = data.plan_for(frame, "frame")
+    for piece in plan.pieces:
+        os.remove(piece.path)
+    with pytest.raises(ShardError, match=r"the export of pandas DataFrame 'frame' is not on "
+                                         r"this host .*spark\.nbdist\.shard\.dir"):
+        shard(plan)
+
+
 # -- the kernel's exports ------------------------------------------------------------------------
 def test_export_is_made_once_and_removed_with_the_table() -> None:
     """A pandas DataFrame is exported once, again only after it changed in place, and its
-    export is removed when the frame is garbage-collected; unconvertible columns and empty
-    frames are named."""
+    export is removed when the frame is garbage-collected or nbdist unloaded; unconvertible
+    columns and empty frames are named."""
     frame = pd.DataFrame({"i": range(100)})
     plan = data.plan_for(frame, "frame")
     (directory,) = [d for d in data.exports() if plan.pieces[0].path.startswith(d)]
@@ -176,6 +187,10 @@ def test_export_is_made_once_and_removed_with_the_table() -> None:
         data.plan_for(pd.DataFrame({"ok": [1, 2], "bad": [1, "x"]}), "odd")
     with pytest.raises(data.DataError, match="is empty"):
         data.plan_for(pd.DataFrame({"i": []}), "none")
+    kept = pd.DataFrame({"i": range(5)})
+    path = data.plan_for(kept, "kept").pieces[0].path
+    data.forget_all()  # what %unload_ext nbdist does
+    assert not os.path.exists(path) and data.exports() == []
 
 
 # -- on real ranks -------------------------------------------------------------------------------

@@ -368,6 +368,7 @@ def shard(source: Any, *, equal: str | bool = False, batch_size: int = DEFAULT_B
     table = None
     if isinstance(source, ShardPlan):
         plan = source
+        _check_files(plan)
     elif isinstance(source, str | os.PathLike):
         plan = plan_from_path(source)
     else:
@@ -388,6 +389,21 @@ def shard(source: Any, *, equal: str | bool = False, batch_size: int = DEFAULT_B
     plan.check_ranks(world_size)
     return Shard(plan, rank=rank, world_size=world_size, equal=equal, batch_size=batch_size,
                  columns=columns, shuffle=shuffle, seed=seed, table=table)
+
+
+def _check_files(plan: ShardPlan) -> None:
+    """Fail with the fix when the export of a notebook table is not on this rank's host."""
+    missing = sorted({p.path for p in plan.pieces if not os.path.exists(p.path)})
+    if missing:
+        import socket
+
+        raise ShardError(
+            f"nbdist.shard: the export of {plan.origin} is not on this host "
+            f"({socket.gethostname()}): {missing[0]}"
+            f"{f' and {len(missing) - 1} more files' if len(missing) > 1 else ''} missing. "
+            f"The ranks read it where the kernel wrote it: set the Spark conf "
+            f"spark.nbdist.shard.dir (or NBDIST_SHARD_DIR in the kernel's environment) to "
+            f"storage every host mounts, e.g. /dbfs/tmp/nbdist (docs/data.md)")
 
 
 def _as_table(source: Any) -> pa.Table | None:
