@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist.rank.shard import ShardError, ShardPlan, plan_from_path
+from nbdist.rank.shard import ShardError, ShardPlan, plan_from_path, require_pyarrow
 
 #: Rows per record batch of an Arrow export (the unit a rank reads at once).
 EXPORT_BATCH_ROWS = 65536
@@ -80,6 +80,7 @@ def plan_for(value: Any, name: str) -> ShardPlan:
     if what is None:
         raise DataError(f"nbdist.shard({name}): {name} is a {type(value).__name__}, not a "
                         f"Spark or pandas DataFrame or pyarrow Table")
+    require_pyarrow()
     fingerprint = _fingerprint(value) if what == "pandas" else None
     with _lock:
         done = _exports.get(id(value))

@@ -288,3 +288,13 @@ def test_a_frame_used_otherwise_is_shipped_as_before() -> None:
     assert list(sharded.shards) == ["frame"] and sharded.shards["frame"].num_rows == 10
     both = capture_cell("import nbdist\nnbdist.shard(frame)\nlen(frame)\n", ns)
     assert both.shards == {} and [v.name for v in both.values] == ["frame"]
+
+
+def test_without_pyarrow_the_error_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Without pyarrow, nbdist.shard raises an ImportError naming the extra to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    with pytest.raises(ImportError, match=r"pip install 'nbdist\[data\]'"):
+        shard("/any/path.parquet")

@@ -360,6 +360,7 @@ def shard(source: Any, *, equal: str | bool = False, batch_size: int = DEFAULT_B
         Iterable of record batches (each iteration the next epoch); ``.pandas()``,
         ``.torch()``, ``len()`` (batches), ``.num_rows``.
     """
+    require_pyarrow()
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -389,6 +390,15 @@ def shard(source: Any, *, equal: str | bool = False, batch_size: int = DEFAULT_B
     plan.check_ranks(world_size)
     return Shard(plan, rank=rank, world_size=world_size, equal=equal, batch_size=batch_size,
                  columns=columns, shuffle=shuffle, seed=seed, table=table)
+
+
+def require_pyarrow() -> None:
+    """Raise an ImportError that says how to install pyarrow, if it is missing."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"nbdist.shard needs pyarrow in the kernel and on every rank ({exc}): "
+                          f"pip install 'nbdist[data]' (pyarrow and pandas)") from None
 
 
 def _check_files(plan: ShardPlan) -> None:
