@@ -23,8 +23,11 @@ Spark conf ``spark.nbdist.shard.dir`` (storage every host mounts: ``/dbfs/tmp/..
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
 import weakref
@@ -86,7 +89,10 @@ def plan_for(value: Any, name: str) -> ShardPlan:
         done = _exports.get(id(value))
         if done is not None and done.fingerprint == fingerprint:
             return done.plan
-    directory = tempfile.mkdtemp(prefix="nbdist-shard-", dir=_root(value, what))
+    root = _root(value, what)
+    _sweep(root)
+    directory = tempfile.mkdtemp(prefix=f"{_prefix(socket.gethostname(), os.getpid())}",
+                                 dir=root)
     try:
         plan = (_export_spark(value, name, directory) if what == "spark" else
                 _export_arrow(value, name, what, directory))
@@ -126,6 +132,31 @@ def _forget(key: int) -> None:
         gone = _exports.pop(key, None)
     if gone is not None:
         shutil.rmtree(gone.directory, ignore_errors=True)
+
+
+def _prefix(host: str, pid: int) -> str:
+    """Export directories start with the kernel's host and pid: a later kernel on that host
+    removes those of kernels that are gone without running their exit handlers (killed)."""
+    return f"nbdist-shard-{host}-{pid}-"
+
+
+def _sweep(root: str) -> None:
+    """Remove the exports in ``root`` of this host's kernels that no longer run."""
+    host = socket.gethostname()
+    for path in glob.glob(os.path.join(glob.escape(root), glob.escape(_prefix(host, 0)[:-2])
+                                       + "*")):
+        # ``<pid>-<mkdtemp's suffix>`` exactly (not another host whose name starts the same)
+        rest = os.path.basename(path)[len(_prefix(host, 0)) - 2:]
+        found = re.fullmatch(r"(\d+)-[a-z0-9_]+", rest)
+        if found is None or int(found.group(1)) == os.getpid():
+            continue
+        pid = found.group(1)
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # alive, another user's
 
 
 def _root(value: Any, what: str) -> str:

@@ -193,6 +193,31 @@ def test_export_is_made_once_and_removed_with_the_table() -> None:
     assert not os.path.exists(path) and data.exports() == []
 
 
+def test_exports_of_killed_kernels_are_swept(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel's first export removes those a killed kernel on this host left (its pid is
+    gone), and keeps those of kernels still running."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(data.SHARD_DIR_ENV, str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    dead = tmp_path / f"{data._prefix(host, gone.pid)}abc_1"
+    alive = tmp_path / f"{data._prefix(host, os.getppid())}abc_2"
+    other = tmp_path / f"{data._prefix(host + '-2', gone.pid)}abc_3"
+    for d in (dead, alive, other):
+        (d / "parquet").mkdir(parents=True)
+    frame = pd.DataFrame({"i": range(3)})
+    plan = data.plan_for(frame, "frame")
+    assert plan.pieces[0].path.startswith(str(tmp_path))
+    assert not dead.exists() and alive.exists() and other.exists()
+    del frame
+    gc.collect()
+
+
 # -- on real ranks -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_ranks_read_disjoint_complete_shards_of_a_notebook_frame(nb: Any) -> None:
