@@ -9,9 +9,9 @@ In a notebook::
     dist.init_process_group("gloo")
     dist.get_rank()
 
-From Python: ``nbdist.run(fn, *args, np=2).result()``. On a rank: ``nbdist.progress`` and
-``nbdist.report``. This module is imported on every rank, so it stays light: the engine and
-the magics load on first use.
+From Python: ``nbdist.run(fn, *args, np=2).result()``. On a rank: ``nbdist.progress``,
+``nbdist.report``, and ``nbdist.shard`` for its part of a table. This module is imported on
+every rank, so it stays light: the engine and the magics load on first use.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, overload
 from nbdist._checkpoint import checkpoint_dir
 from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
 from nbdist.rank.reporting import progress, report
+from nbdist.rank.shard import shard
 
 if TYPE_CHECKING:
     from nbdist.elastic import ElasticJob
@@ -39,6 +40,7 @@ __all__ = [
     "progress",
     "report",
     "run",
+    "shard",
     "unload_ipython_extension",
 ]
 

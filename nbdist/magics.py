@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, logfiles, waiting
+from nbdist import _logcarry, elastic, events, launch, logfiles, slices, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -429,6 +429,11 @@ class DistMagics(Magics):
             except SyntaxError as exc:  # the user's line, not nbdist's frames
                 raise CellSyntaxError(*exc.args) from None
             np = on.np if on is not None else abs(opts.np or 1)
+            for name, plan in captured.shards.items():  # before any rank starts
+                try:
+                    plan.check_ranks(np, name)
+                except ValueError as exc:
+                    raise UsageError(str(exc)) from None
             if opts.show_source:
                 print(captured.function_source())
             if opts.export:
@@ -714,6 +719,64 @@ class DistMagics(Magics):
             session.run_cell({"kind": "push", "name": name, "data": captured.data}).result()
         print(f"pushed {', '.join(args.names)} to the {session.np} ranks of {session.id}")
 
+    @magic_arguments()
+    @argument("name", help="the notebook variable to split across the ranks")
+    @line_magic
+    def dist_scatter(self, line: str) -> None:
+        """Split a notebook list, tuple, numpy array, torch tensor or pandas DataFrame/Series
+        across the session's ranks: rank r gets its slice (by rows) under the same name."""
+        args = parse_argstring(self.dist_scatter, line)
+        session = self._session()
+        shell = self.shell
+        assert shell is not None
+        if args.name not in shell.user_ns:
+            raise UsageError(f"the notebook has no variable {args.name!r} to scatter")
+        value = shell.user_ns[args.name]
+        what = slices.kind(value)
+        if what is None:
+            raise UsageError(
+                f"cannot scatter {args.name!r}, a {type(value).__name__}: %dist_scatter splits "
+                f"lists, tuples, numpy arrays, torch tensors and pandas DataFrames or Series "
+                f"by rows; use %dist_push {args.name} to send the whole value to every rank")
+        n = slices.length(value)
+        if n < session.np:
+            raise UsageError(f"cannot scatter {args.name!r}: it has {n} items for the "
+                             f"{session.np} ranks of {session.id}; every rank needs one")
+
+        def own(rank: int) -> dict[str, Any]:
+            # Capture's rules (refusals, size warnings) apply to each slice as to a push.
+            captured = capture_cell(args.name, {args.name: slices.part(value, rank,
+                                                                       session.np)},
+                                    warn_bytes=int(self.large_value_mb * 1e6))
+            return {"data": captured.data}
+
+        session.run_cell({"kind": "push", "name": args.name, "data": b""},
+                         per_rank=own).result()
+        sizes = [b - a for a, b in (slices.bounds(n, r, session.np)
+                                    for r in range(session.np))]
+        print(f"scattered {args.name} ({what} of {n}) over the {session.np} ranks of "
+              f"{session.id}: {min(sizes)} to {max(sizes)} each")
+
+    @magic_arguments()
+    @argument("name", help="the session variable to bring back from every rank")
+    @line_magic
+    def dist_gather(self, line: str) -> None:
+        """Bring a session variable back from every rank, joined in rank order (lists, tuples,
+        arrays, tensors and DataFrames are concatenated; other values come as a list)."""
+        args = parse_argstring(self.dist_gather, line)
+        session = self._session()
+        cell = session.run_cell({"kind": "pull", "name": args.name, "rank": -1})
+        value, joined = slices.join(cell.results)
+        assert self.shell is not None
+        self.shell.user_ns[args.name] = value
+        if joined:
+            what = (slices.kind(value) or "a value").removeprefix("a ")
+            print(f"{args.name} = the {session.np} ranks' {what}s joined in rank order "
+                  f"({slices.length(value)} items)")
+        else:
+            print(f"{args.name} = a list of the {session.np} ranks' values (index = rank): "
+                  f"they are not all lists, tuples, arrays, tensors or DataFrames of one type")
+
     def _session(self) -> sessions.Session:
         live = sessions.current()
         if live is None:
@@ -728,7 +791,8 @@ def unload(shell: Any) -> None:
     Refused (a :class:`UsageError` naming them) while a job or a session cell runs: unloading
     must not throw away a run's work; cancel it (``%dist_cancel``) or let it end first. Then:
     the session stops, the warm pool lets its zygotes and interpreters go, the event servers
-    close, pyspark's own SIGINT handler is back, and ``%%distributed`` is unknown again.
+    close, ``nbdist.shard``'s exports are removed, pyspark's own SIGINT handler is back, and
+    ``%%distributed`` is unknown again.
     ``%load_ext nbdist`` starts over.
     """
     running = [j.id for j in jobs.jobs() if not j.done()]
@@ -742,6 +806,9 @@ def unload(shell: Any) -> None:
     sessions.shutdown("nbdist was unloaded (%unload_ext nbdist)")
     backends.shutdown()
     events.close_shared()
+    from nbdist import data  # stdlib only until a table is exported
+
+    data.forget_all()  # nbdist.shard's exports of notebook tables
     manager = shell.magics_manager
     mine = manager.registry.pop(DistMagics.__name__, None)
     if mine is not None:

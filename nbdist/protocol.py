@@ -398,7 +398,8 @@ class CallPayload(_Call, total=False):
 
 
 class PullPayload(SessionKeys):
-    """``%dist_pull NAME --rank R``: a session variable's value from one rank."""
+    """``%dist_pull NAME --rank R``: a session variable's value from one rank (``rank`` -1:
+    from every rank, ``%dist_gather NAME``)."""
 
     kind: Literal["pull"]
     name: str
@@ -416,7 +417,8 @@ class Pulled:
 
 
 class PushPayload(SessionKeys):
-    """``%dist_push NAME``: set a session variable on every rank to the notebook's value."""
+    """``%dist_push NAME``: set a session variable on every rank to the notebook's value
+    (``%dist_scatter NAME``: each rank's ``data`` is its own slice)."""
 
     kind: Literal["push"]
     name: str

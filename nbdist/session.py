@@ -27,7 +27,7 @@ import atexit
 import base64
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nbdist import _pickling, channel, state, values
@@ -201,9 +201,13 @@ class Session:
 
     # -- cells --------------------------------------------------------------------------------
     def run_cell(
-        self, payload: Payload, *, timeout: float | None = None, label: str = ""
+        self, payload: Payload, *, timeout: float | None = None, label: str = "",
+        per_rank: Callable[[int], Mapping[str, Any]] | None = None,
     ) -> SessionCell:
-        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session."""
+        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session.
+
+        ``per_rank(r)``, when given, adds rank ``r``'s own keys to its payload (a scatter's
+        slice): called for one rank at a time, just before its payload is sent."""
         with self._lock:
             self.check_usable()
             self._cell_ids += 1
@@ -213,10 +217,13 @@ class Session:
                 self._idle_timer.cancel()
             self.warning = ""
         register(cell)
-        body = base64.b64encode(_pickling.dumps(
-            {**payload, "session": True, "keep": True, "cell": self._cell_ids}))
-        message: CellEvent = {"t": "cell", "id": self._cell_ids, "payload": body.decode()}
+        common = {**payload, "session": True, "keep": True, "cell": self._cell_ids}
+        message: CellEvent | None = None
         for rank in range(self.np):
+            if message is None or per_rank is not None:
+                own = common if per_rank is None else {**common, **per_rank(rank)}
+                body = base64.b64encode(_pickling.dumps(own)).decode()
+                message = {"t": "cell", "id": self._cell_ids, "payload": body}
             if not self.job.send(rank, message):
                 self._fail(f"rank {rank} of session {self.id} is not connected")
                 break

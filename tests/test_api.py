@@ -15,7 +15,7 @@ def test_exported_members() -> None:
     assert sorted(nbdist.__all__) == sorted([
         "CapacityError", "CaptureError", "DistributedError", "LaunchError", "NbdistError",
         "checkpoint_dir",
-        "load_ipython_extension", "progress", "report", "run", "unload_ipython_extension",
+        "load_ipython_extension", "progress", "report", "run", "shard", "unload_ipython_extension",
     ])
     for name in nbdist.__all__:
         assert getattr(nbdist, name) is not None

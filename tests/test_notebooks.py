@@ -96,3 +96,21 @@ def test_children_notebook_carries_classes_functions_and_logging() -> None:
         line = f"[rank {rank}] INFO|train|rank {rank}: sum of squares 1240, cubes [0, 1, 8, 27]"
         assert line in train
     assert "(1240.0, [0, 1, 8, 27])" in train
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(400)
+def test_data_notebook_trains_from_a_spark_dataframe() -> None:
+    """The data notebook trains DDP on two Spark ranks from equal shards of a Spark DataFrame
+    (40 steps an epoch on each rank) and learns the table's linear rule."""
+    texts = execute("05-data.ipynb")
+    assert "20001 rows, columns ['id', 'x1', 'x2', 'y']" in texts[1]
+    train = texts[2]
+    for rank in (0, 1):
+        assert f"[rank {rank}] <nbdist shard of Spark DataFrame 'df': rank {rank} of 2" in train
+        assert "1 rows dropped for equal shards, 40 batches of 250>" in train
+        assert f"[rank {rank}] epoch 4: 40 steps, loss" in train
+    found = re.search(r"learned y = ([-\d.]+) x1 \+ ([-\d.]+) x2 \+ ([-\d.]+)", texts[3])
+    assert found is not None, texts[3]
+    w1, w2, b = map(float, found.groups())
+    assert abs(w1 - 3) < 0.1 and abs(w2 + 2) < 0.1 and abs(b - 1) < 0.1

@@ -25,6 +25,7 @@ from nbdist.capture import _launchers as launchers
 from nbdist.capture._export import function_source, write_export
 from nbdist.capture._local import objects_modules, shipped_code, source_imports
 from nbdist.capture._scope import Flow, Need
+from nbdist.capture._shards import shard_only
 from nbdist.capture._ship import (
     Import,
     Value,
@@ -35,8 +36,9 @@ from nbdist.capture._ship import (
     submodules_reached,
 )
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, Lines, has_value, parse
-from nbdist.errors import CaptureWarning
+from nbdist.errors import CaptureError, CaptureWarning
 from nbdist.protocol import CellPayload, ShippedCode
+from nbdist.rank.shard import ShardPlan
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Captured:
     line_offset: int = 0  # lines above the cell body (the %%distributed line)
     flags: int = 0  # compiler flags of __future__ features in effect in the notebook
     code: ShippedCode | None = None  # the notebook's own modules, by value
+    shards: dict[str, ShardPlan] = field(default_factory=dict)  # tables sent as their plans
 
     def payload(self) -> CellPayload:
         """What the rank runtime executes on each rank (``protocol.CellPayload``)."""
@@ -140,19 +143,20 @@ def capture_cell(
     flags = compile_flags & CO_FUTURE_ANNOTATIONS
     lines = Lines(cell, line_offset)
     with _gc_paused():
-        source, needs, returns_last, modules = _analyse(cell, transform, filename, lines,
-                                                        user_ns, bool(flags))
+        source, needs, returns_last, modules, sharded = _analyse(
+            cell, transform, filename, lines, user_ns, bool(flags))
     imports, shipping = by_name(needs, user_ns, remote_names)
     captured = Captured(
         source=source, filename=filename, imports=imports,
         submodules=submodules_reached(source, imports), returns_last=returns_last,
         line_offset=line_offset, flags=flags,
+        shards=_shard_plans(sharded, shipping, user_ns, lines),
     )
     modules.update(i.module for i in imports)
     limit = _package.LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
     if shipping:
-        captured.values, captured.data, captured.left_out = ship(shipping, user_ns, lines,
-                                                                 modules)
+        captured.values, captured.data, captured.left_out = ship(
+            shipping, user_ns, lines, modules, replace=captured.shards)
         for v in captured.values:
             if v.size > limit:
                 warnings.warn(large_message(v, limit, lines), CaptureWarning, stacklevel=2)
@@ -176,15 +180,35 @@ def call_code(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Ship
 
 def _analyse(cell: str, transform: Callable[[str], str] | None, filename: str, lines: Lines,
              universe: Container[str], future_annotations: bool
-             ) -> tuple[str, dict[str, Need], bool, set[str]]:
-    """The cell as Python, the notebook names it reads, whether it has a value, and the
-    modules it imports. Only these small results outlive the call: the tree goes with it
-    (see :func:`_gc_paused`)."""
+             ) -> tuple[str, dict[str, Need], bool, set[str], set[str]]:
+    """The cell as Python, the notebook names it reads, whether it has a value, the modules
+    it imports, and the names it reads only through ``nbdist.shard(name)``. Only these small
+    results outlive the call: the tree goes with it (see :func:`_gc_paused`)."""
     source, tree = parse(cell, transform, filename, lines.offset)
     launchers.check(tree, lines)  # Lightning's ddp_notebook: refused before launch
     # a ``from __future__ import annotations`` in the cell is seen by the flow itself
     needs = Flow(lines, future_annotations, filename, universe).run(tree)
-    return source, needs, has_value(tree, source, lines.offset), set(source_imports(tree))
+    return (source, needs, has_value(tree, source, lines.offset), set(source_imports(tree)),
+            shard_only(tree) & set(needs))
+
+
+def _shard_plans(sharded: set[str], shipping: Mapping[str, Need], user_ns: Mapping[str, Any],
+                 lines: Lines) -> dict[str, ShardPlan]:
+    """The plans of the notebook tables the cell reads only through ``nbdist.shard``, each
+    exported once by ``nbdist/data.py`` (which imports pyarrow, and Spark's API for a Spark
+    DataFrame, only when there is one)."""
+    plans: dict[str, ShardPlan] = {}
+    for name in sorted(sharded & set(shipping)):
+        from nbdist import data
+
+        if data.kind(user_ns[name]) is None:
+            continue  # a path, or an object the rank's nbdist.shard judges
+        try:
+            plans[name] = data.plan_for(user_ns[name], name)
+        except data.DataError as exc:
+            raise CaptureError(f"{exc} (the cell uses it at "
+                               f"{lines.where(shipping[name].line)})") from None
+    return plans
 
 
 @contextlib.contextmanager

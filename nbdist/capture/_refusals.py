@@ -51,8 +51,9 @@ _SPARK_HANDLE = Rule(
 _SPARK_DATA = Rule(
     "a Spark DataFrame (or RDD)",
     "its rows live in Spark, and it only works next to the notebook's Spark session",
-    "collect what the ranks need into plain data in an earlier cell (pdf = df.toPandas()), "
-    "or write it out (df.write.parquet(path)) and read the files inside the cell",
+    "read a DataFrame's rows on the ranks with nbdist.shard(df) (each rank gets its part, "
+    "streamed; use df only that way in the cell), or collect what the ranks need into plain "
+    "data in an earlier cell (pdf = df.toPandas())",
 )
 _THREAD = Rule(
     "a thread", "a thread runs only inside the process that started it",

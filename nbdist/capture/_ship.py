@@ -195,10 +195,12 @@ class _Pickler(Pickler):
 
 
 def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines,
-         modules: set[str] | None = None) -> tuple[list[Value], bytes, dict[str, str]]:
+         modules: set[str] | None = None, replace: Mapping[str, Any] | None = None,
+         ) -> tuple[list[Value], bytes, dict[str, str]]:
     """Pickle the values in one stream; refuse needed ones that cannot go, drop optional ones.
     Returns the values shipped, the stream, and why each optional value left out was; adds
-    the modules the stream refers to to ``modules``.
+    the modules the stream refers to to ``modules``. ``replace`` maps names to what is sent in
+    their place (a table's shard plan).
 
     A failed dump leaves the stream and its memo half-written, so after dropping an optional
     value everything is pickled again from the start (failures are rare; retries cheap)."""
@@ -210,7 +212,7 @@ def ship(shipping: Mapping[str, Need], user_ns: Mapping[str, Any], lines: Lines,
         values: list[Value] = []
         failed: str | None = None
         for name in names:
-            value = user_ns[name]
+            value = replace[name] if replace and name in replace else user_ns[name]
             start = buf.tell()
             try:
                 pickler.dump(value)

@@ -173,16 +173,19 @@ def _run_call(payload: CallPayload) -> Any:
     return fn(*payload.get("args", ()), **payload.get("kwargs", {}))
 
 
-def _run_pull(payload: PullPayload) -> Pulled | None:
+def _run_pull(payload: PullPayload) -> Pulled | Any:
     """``%dist_pull``: a session variable's value (from the rank asked; None from the rest),
-    with the threads that may be changing it while it is read and sent."""
-    if int(os.environ.get("RANK", "0")) != payload["rank"]:
+    with the threads that may be changing it while it is read and sent; rank -1
+    (``%dist_gather``): the bare value, from every rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    if payload["rank"] not in (rank, -1):
         return None
     name: str = payload["name"]
     if name not in _session_ns:
         known = ", ".join(session_names()) or "none yet"
-        raise NameError(f"rank {payload['rank']} has no variable {name!r} (defined there: "
-                        f"{known})")
+        raise NameError(f"rank {rank} has no variable {name!r} (defined there: {known})")
+    if payload["rank"] == -1:
+        return _session_ns[name]
     return Pulled(_session_ns[name], _cell_threads())
 
 

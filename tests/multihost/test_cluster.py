@@ -291,6 +291,39 @@ def test_session_across_hosts(three_hosts: Kernel, network: Network) -> None:
     ranks_gone(network)
 
 
+#: A Spark DataFrame read as equal shards by 4 ranks, a gloo all_reduce per batch.
+SHARD_CELL = """%%distributed -np 4 -o parts --no-gpu
+import socket, torch, torch.distributed as dist, nbdist
+dist.init_process_group("gloo")
+s = nbdist.shard(mh_df, equal=True, batch_size=997)
+ids, steps = [], torch.zeros(1)
+for batch in s:
+    ids += batch.column("id").to_pylist()
+    steps += 1
+    dist.all_reduce(steps)   # every rank takes every step
+dist.destroy_process_group()
+{"ids": ids, "host": socket.gethostname(), "batches": len(s)}
+"""
+
+
+def test_dataframe_shards_across_hosts(mh: Kernel, network: Network) -> None:
+    """Ranks on two hosts read disjoint equal shards of a DataFrame the executors exported
+    (the hosts share files, not /tmp) and end together; the export goes with the DataFrame."""
+    mh.execute('mh_df = spark.range(0, 30_001, numPartitions=3).selectExpr('
+               '"id", "cast(id % 5 as double) as x")', timeout=60)
+    mh.execute(SHARD_CELL, timeout=300)
+    parts = mh.value("parts")
+    ids = [p["ids"] for p in parts]
+    assert [len(i) for i in ids] == [7500] * 4 and {p["batches"] for p in parts} == {8}
+    flat = [v for i in ids for v in i]
+    assert len(set(flat)) == 30_000 and set(flat) <= set(range(30_001))
+    assert len({p["host"] for p in parts}) == 2
+    assert mh.value("len(__import__('nbdist.data').data.exports())") == 1
+    mh.execute("del mh_df\nimport gc\ngc.collect()", timeout=60)
+    assert mh.value("__import__('nbdist.data').data.exports()") == []
+    ranks_gone(network)
+
+
 #: In the kernel: run a synced 4-rank job ``n`` times; per run, its launch time (the job's
 #: ``submitted`` to the last rank's ``delivered``) and the hosts whose ranks were forked from
 #: their executor's zygote.

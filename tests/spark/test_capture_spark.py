@@ -39,7 +39,7 @@ def spark_names(ip: Any, spark_local: SparkSession) -> Iterator[Any]:
     ("n = df.count()",
      ["cannot send 'df' to the ranks: it is a Spark DataFrame (or RDD) "
       "(pyspark.sql.classic.dataframe.DataFrame)", "line 2: `n = df.count()`",
-      "df.write.parquet(path)"]),
+      "nbdist.shard(df)"]),
     ("data = load()",
      ["cannot send 'load' to the ranks: it is a function that holds a Spark DataFrame",
       "at load → global df", "line 2: `data = load()`"]),
