@@ -165,9 +165,12 @@ class ElasticJob(jobs.Handle):
     """A job whose rank group is launched again after a fault, up to ``max_restarts`` times.
 
     Used like a :class:`~nbdist.job.Job` (``result()``, ``results``, ``cancel()``, ``wait()``,
-    ``state``); ``attempts`` lists the attempts so far. The first attempt starts in the
-    constructor, so a job that cannot start at all (too many ranks) fails at once.
+    ``state``); ``attempts`` lists the attempts so far. Built from its options, it launches
+    nothing until :meth:`start`, which starts the first attempt in the caller's thread, so a
+    job that cannot start at all (too many ranks) fails at once.
     """
+
+    _current: jobs.Job  # the attempt running or the last one; set by start()
 
     def __init__(
         self,
@@ -208,11 +211,17 @@ class ElasticJob(jobs.Handle):
         self._stop = threading.Event()
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
-        self._current = self._attempt(1, launcher, "")
         self.launcher = launcher
+
+    def start(self) -> ElasticJob:
+        """Launch the first attempt (its errors raise here: too many ranks, a backend that
+        cannot start them), list the job for ``%dist_status`` and watch it from a thread of
+        its own, which starts the attempts after it. Returns the job."""
+        self._current = self._attempt(1, self.launcher, "")
         jobs.register(self)
         threading.Thread(target=self._supervise, daemon=True,
                          name=f"nbdist-restarts-{self.id}").start()
+        return self
 
     # -- attempts ---------------------------------------------------------------------------
     def _world_env(self, number: int) -> dict[str, str]:
@@ -466,7 +475,7 @@ def _elastic(payload: Payload, np: int, options: JobOptions) -> ElasticJob:
         options = dataclasses.replace(options, restarts=dataclasses.replace(
             options.restarts, checkpoint_dir=_absolute(folder)))
     try:
-        return ElasticJob(payload, np, options)
+        return ElasticJob(payload, np, options).start()
     except OSError as exc:
         raise LaunchError(f"could not start the ranks: {exc}") from exc
 

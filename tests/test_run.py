@@ -412,6 +412,25 @@ def test_a_job_is_built_without_launching_and_starts_when_asked() -> None:
     assert job.results == [0, 1] and job in jobs.jobs()
 
 
+def test_a_job_that_restarts_is_built_without_launching_too() -> None:
+    """An ElasticJob, like a Job, launches nothing and is not listed until ``start()``."""
+    from nbdist import elastic
+    from nbdist import job as jobs
+    from nbdist.options import JobOptions, Restarts
+
+    def rank() -> int:
+        import os
+
+        return int(os.environ["RANK"]) + int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+    job = elastic.ElasticJob({"kind": "call", "fn": rank, "args": (), "kwargs": {}}, 2,
+                             JobOptions(backend="local", restarts=Restarts(max_restarts=1)))
+    assert not job.done() and job not in jobs.jobs() and not job.state.attempts
+    assert not rank_processes()
+    assert job.start() is job
+    assert job.results == [0, 1] and job in jobs.jobs() and len(job.state.attempts) == 1
+
+
 def test_a_distributed_error_reason_is_an_enum_equal_to_its_word() -> None:
     """DistributedError.reason is a Reason, a str enum equal to and printed as its word, kept
     through pickling; a reason that is none of them is refused."""
