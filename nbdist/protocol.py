@@ -599,12 +599,14 @@ class NamesEvent(TypedDict):
 
 class StacksEvent(TypedDict, total=False):
     """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
-    ``faulthandler`` writes them (``text``), or why there are none (``error``)."""
+    ``faulthandler`` writes them (``text``), or why there are none (``error``); with their
+    native (C) frames where py-spy is installed on the rank's host (``native``)."""
 
     t: Literal["stacks"]
     id: int
     text: str
     error: str
+    native: str
 
 
 class DebugEvent(TypedDict):

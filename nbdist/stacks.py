@@ -27,6 +27,8 @@ _PLUMBING = re.compile(r"[/\\](?:threading|queue|selectors|socket|subprocess)\.p
 #: Where the rank's code runs: the thread whose bottom frames are these is the cell's.
 _RUNTIME_ENTRY = ("_serve", "main")
 SUMMARY_FRAMES = 3
+#: Lines of one rank's native frames (py-spy) shown with its group.
+NATIVE_LINES = 40
 
 
 class StackFrame(NamedTuple):
@@ -144,11 +146,15 @@ class Stacks:
     #: Ranks asked that gave no stacks: why, and their last lines.
     missing: dict[int, str] = field(default_factory=dict)
     seconds: float = 0.0  # how long gathering took
+    #: Rank → its threads with their native (C) frames, as py-spy read them, where it is
+    #: installed on the rank's host (``rank.supervisor.native_stacks``).
+    native: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_dumps(cls, job_id: str, dumps: Mapping[int, str],
-                   missing: Mapping[int, str] | None = None, seconds: float = 0.0) -> Stacks:
-        return cls(job_id, group(dumps), dict(missing or {}), seconds)
+                   missing: Mapping[int, str] | None = None, seconds: float = 0.0,
+                   native: Mapping[int, str] | None = None) -> Stacks:
+        return cls(job_id, group(dumps), dict(missing or {}), seconds, dict(native or {}))
 
     def summary(self) -> str:
         """One line per group: ``ranks 0–2, 4–7: all_reduce ← step (cell line 41)``."""
@@ -168,6 +174,13 @@ class Stacks:
                 out += [f"    File \"{f.file}\", line {f.line}, in {f.func}" for f in t.frames]
                 if not t.frames:
                     out.append(f"    ({t.summary()})")
+            shown = next((r for r in g.ranks if r in self.native), None)
+            if shown is not None:  # one rank's stands for its group's: their stacks are equal
+                out.append(f"  native frames of rank {shown} (py-spy, most recent call first):")
+                lines = self.native[shown].splitlines()
+                out += [f"    {line.strip()}" for line in lines[:NATIVE_LINES]]
+                if len(lines) > NATIVE_LINES:
+                    out.append(f"    ... {len(lines) - NATIVE_LINES} more lines")
         for r, why in sorted(self.missing.items()):
             out.append(f"rank {r}: " + why.replace("\n", "\n    "))
         return "\n".join(out)

@@ -247,6 +247,56 @@ def test_stacks_fold_equal_ranks_and_leave_out_nbdist() -> None:
     assert stacks.rank_ranges([0, 1, 2, 3]) == "ranks 0–3"
 
 
+def test_native_frames_show_once_per_group() -> None:
+    """py-spy's native frames of one rank stand for its group (their Python stacks are equal),
+    cut after NATIVE_LINES lines."""
+    from nbdist import stacks
+
+    locked = _cell_thread(("<cell In[3]>", 5, "<module>"))
+    native = "Thread 7 (idle): \"MainThread\"\n" + "\n".join(
+        f"    frame_{i} (libpython3.11.so.1.0)" for i in range(stacks.NATIVE_LINES + 5))
+    got = stacks.Stacks.from_dumps("j6", {0: _dump(locked), 1: _dump(locked)},
+                                   native={1: native})
+    text = got.text()
+    assert "  native frames of rank 1 (py-spy, most recent call first):" in text
+    assert text.count("native frames") == 1 and "    frame_0 (libpython3.11.so.1.0)" in text
+    assert "    ... 6 more lines" in text and "frame_44" not in text
+
+
+def _stuck_in_c() -> None:
+    import threading
+
+    lock = threading.Lock()
+    lock.acquire()
+    print("locked", flush=True)
+    lock.acquire()  # for ever, in C
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stacks_carry_the_native_frames_where_py_spy_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where py-spy is installed (the dev set-up installs it), a rank stuck in C code shows its
+    native frames (CPython's lock acquire); a py-spy that cannot run is said, not hidden."""
+    from nbdist.rank import supervisor
+
+    if supervisor.py_spy() is None:
+        pytest.skip("py-spy is not installed here (pip install py-spy)")
+    job = nbdist.run(_stuck_in_c, np=1, backend="local", gpu=False)
+    try:
+        wait_for(lambda: job.state.ranks[0].lines >= 1, 60, "the rank to hold its lock")
+        got = job.stacks()
+        assert got.native, got.text()
+        assert "PyThread_acquire_lock" in got.native[0], got.native[0]
+        assert "native frames of rank 0 (py-spy" in got.text()
+        monkeypatch.setenv("NBDIST_PY_SPY", "/nonexistent/py-spy")
+        broken = job.stacks()
+        assert broken.native[0].startswith("(py-spy could not run: "), broken.native
+    finally:
+        job.cancel()
+        job.wait(60)
+
+
 def test_an_idle_session_rank_has_no_frames_of_its_own() -> None:
     """A session rank waiting for its next cell shows as no Python frame, not nbdist's loop."""
     from nbdist import stacks

@@ -425,10 +425,10 @@ def test_a_job_that_restarts_is_built_without_launching_too() -> None:
 
     job = elastic.ElasticJob({"kind": "call", "fn": rank, "args": (), "kwargs": {}}, 2,
                              JobOptions(backend="local", restarts=Restarts(max_restarts=1)))
-    assert not job.done() and job not in jobs.jobs() and not job.state.attempts
+    assert not job.done() and job not in jobs.jobs() and not job.attempts
     assert not rank_processes()
     assert job.start() is job
-    assert job.results == [0, 1] and job in jobs.jobs() and len(job.state.attempts) == 1
+    assert job.results == [0, 1] and job in jobs.jobs() and len(job.attempts) == 1
 
 
 def test_a_distributed_error_reason_is_an_enum_equal_to_its_word() -> None:

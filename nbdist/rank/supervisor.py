@@ -23,6 +23,7 @@ import os
 import queue
 import secrets
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,6 +78,9 @@ TAIL_LINES = 20
 #: How long a rank's stack dump may take to be written, and the quiet that ends one.
 STACKS_S = 2.0
 STACKS_QUIET_S = 0.05
+#: How long py-spy may take to read a rank's native frames (``native_stacks``): within the
+#: driver's wait for the answers (``job.STACKS_WAIT_S``) after the dump (``STACKS_S``).
+NATIVE_STACKS_S = 1.0
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
 PIECES_QUEUED = 2
@@ -687,6 +691,11 @@ class Supervisor:
             answer["text"] = text
         if error:
             answer["error"] = error
+        pid = self._rank_pid
+        if text and pid is not None:
+            native = native_stacks(pid)
+            if native:
+                answer["native"] = native
         self._send(answer)
 
     def stacks(self, timeout: float = STACKS_S) -> tuple[str, str]:
@@ -878,6 +887,40 @@ def _descendants(pid: int) -> list[Any]:
         return list(psutil.Process(pid).children(recursive=True))
     except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
         return []
+
+
+def py_spy() -> str | None:
+    """py-spy's executable, where it is installed: ``NBDIST_PY_SPY``, beside this Python (a
+    virtual environment's ``bin``), or on ``PATH``; None when there is none."""
+    named = os.environ.get("NBDIST_PY_SPY")
+    if named:
+        return named
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+def native_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
+    """The rank's threads with their native (C) frames as ``py-spy dump --native`` reads them
+    from outside (the rank is paused for the moment it takes), where py-spy is installed;
+    "" where it is not; a line saying why when it could not (no permission to trace the
+    process: ``ptrace_scope``, a container without ``CAP_SYS_PTRACE``)."""
+    exe = py_spy()
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(pid), "--native"], capture_output=True,
+                              text=True, timeout=timeout, check=False, errors="replace")
+    except subprocess.TimeoutExpired:
+        return f"(py-spy gave no native frames within {timeout:g} s)"
+    except OSError as exc:
+        return f"(py-spy could not run: {exc})"
+    if done.returncode != 0:
+        why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}")
+        return f"(py-spy could not read the native frames: {why.splitlines()[-1]})"
+    # Its header (the process's command line and Python) says nothing the driver does not know.
+    lines = done.stdout.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("Thread ")), 0)
+    return "\n".join(lines[first:])
 
 
 def _read_dump(f: Any, start: int, timeout: float) -> bytes:
