@@ -122,7 +122,8 @@ class Gate:
             time.sleep(0.01)
 
     def code(self, indent: str = "", timeout: float | None = GATE_TIMEOUT_S) -> str:
-        """:meth:`wait` as source lines, each after ``indent``, for a cell or a script. They
+        """:meth:`wait` as source lines (no newline after the last), each after ``indent``, for
+        a cell or a script. They
         import os and time and bind no other name (a session keeps the names a cell binds);
         so the deadline is wall-clock time, counted from this call."""
         lines = ["import os, time", f"while not os.path.exists({self.path!r}):"]
@@ -130,7 +131,7 @@ class Gate:
             lines += [f"    if time.time() > {time.time() + timeout:.1f}:",
                       f"        raise TimeoutError({self._never_opened(timeout)!r})"]
         lines.append("    time.sleep(0.01)")
-        return "".join(f"{indent}{line}\n" for line in lines)
+        return "\n".join(indent + line for line in lines)
 
     def _never_opened(self, timeout: float | None) -> str:
         return f"gate {self.path} was not opened within {timeout:g} s: does the test open() it?"

@@ -52,7 +52,7 @@ def test_panel_view_runs_a_tqdm_cell_to_a_styled_end(panel_view: Any, capsys: An
 @pytest.mark.timeout(120)
 def test_bg_returns_a_job_at_once_and_keeps_rendering(panel_view: Any, gate: Gate) -> None:
     """--bg returns the job while it runs; other cells run; the panel ends when the job does."""
-    job = run(panel_view, f"%%distributed -np 2 --bg\n{gate.code()}'released'")
+    job = run(panel_view, f"%%distributed -np 2 --bg\n{gate.code()}\n'released'")
     assert isinstance(job, jobs.Job) and not job.done()
     assert run(panel_view, "6 * 7") == 42
     panels = [t for t in threading.enumerate() if t.name == f"nbdist-panel-{job.id}"]
