@@ -97,10 +97,14 @@ class Gate:
     they run (their lines, their state), however slow the machine, then lets them through.
 
     The test calls :meth:`open`; the ranks wait with :meth:`wait` (in a function shipped to
-    them: pass the gate as an argument of ``nbdist.run``, which ships the ``tests`` package
-    with the function, so the class is importable there) or run :meth:`code` (in a cell or a
-    script). Both fail with a TimeoutError naming the gate after ``timeout`` seconds (None:
-    never). The ``gate`` fixture (``conftest.py``) gives a test a fresh one.
+    them, the gate an argument of ``nbdist.run``) or run :meth:`code` (in a cell or a script).
+    Both fail with a TimeoutError naming the gate after ``timeout`` seconds (None: never). The
+    ``gate`` fixture (``conftest.py``) gives a test a fresh one.
+
+    A gate travels by reference (cloudpickle pickles an importable class by name): a rank
+    imports ``tests.helpers``, as it imports a test module whose module-level function a test
+    ships. Every interpreter of the project's environment finds ``tests`` (the editable
+    install puts the checkout on ``sys.path``), the ranks of Spark's executors too.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
