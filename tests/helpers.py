@@ -20,9 +20,11 @@ from nbdist.state import SILENT_AFTER_S, JobState
 
 #: How long ranks may take to disappear after a job ended (the contract says 10 s).
 GONE_WITHIN_S = 10.0
-#: How long a rank waits at a :class:`Gate` the test never opens before it fails: longer than
-#: any test's own timeout, so it only ends ranks that a forgotten ``open()`` would leave waiting.
-GATE_TIMEOUT_S = 300.0
+#: How long a rank waits at a :class:`Gate` the test never opens before it fails: the longest
+#: ``@pytest.mark.timeout`` of the suite (tests/spark/test_connect.py's, whose gate may open
+#: minutes after its task began to wait), so it never fails a test that would pass, and ends
+#: what a forgotten ``open()`` would leave waiting (a --bg job in a kernel, a Spark task).
+GATE_TIMEOUT_S = 900.0
 
 
 def out(text: str, s: str = "o") -> dict[str, object]:
