@@ -129,9 +129,8 @@ class Gate:
 
     def code(self, indent: str = "", timeout: float | None = GATE_TIMEOUT_S) -> str:
         """:meth:`wait` as source lines (no newline after the last), each after ``indent``, for
-        a cell or a script. They
-        import os and time and bind no other name (a session keeps the names a cell binds);
-        so the deadline is wall-clock time, counted from this call."""
+        a cell or a script. They import os and time and bind no other name (a session keeps the
+        names a cell binds), so the deadline is wall-clock time, counted from this call."""
         lines = ["import os, time", f"while not os.path.exists({self.path!r}):"]
         if timeout is not None:
             lines += [f"    if time.time() > {time.time() + timeout:.1f}:",
