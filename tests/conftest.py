@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
 
-from .helpers import GONE_WITHIN_S
+from .helpers import GONE_WITHIN_S, Gate
 
 # A zygote started at every %load_ext (the session's shell, every real kernel) would cost each
 # of those tests an import of torch; tests/test_warm_at_load.py turns it on where it is tested.
@@ -38,6 +39,12 @@ def ip() -> Iterator[object]:
     assert shell is not None
     shell.run_line_magic("load_ext", "nbdist")
     yield shell
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Gate:
+    """A gate (``helpers.Gate``) the test's ranks wait at until the test opens it."""
+    return Gate(tmp_path / "gate")
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Helpers the tests import: run a cell, wait for a condition, find rank processes.
+"""Helpers the tests import: run a cell, wait for a condition, find rank processes, hold ranks
+at a gate.
 
 Fixtures live in ``conftest.py`` (pytest finds them there); what a test calls lives here, so
 that no test imports ``conftest`` (pytest imports it under its own rules, and a second import
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -18,6 +20,11 @@ from nbdist.state import SILENT_AFTER_S, JobState
 
 #: How long ranks may take to disappear after a job ended (the contract says 10 s).
 GONE_WITHIN_S = 10.0
+#: How long a rank waits at a :class:`Gate` the test never opens before it fails: the longest
+#: ``@pytest.mark.timeout`` of the suite (tests/spark/test_connect.py's, whose gate may open
+#: minutes after its task began to wait), so it never fails a test that would pass, and ends
+#: what a forgotten ``open()`` would leave waiting (a --bg job in a kernel, a Spark task).
+GATE_TIMEOUT_S = 900.0
 
 
 def out(text: str, s: str = "o") -> dict[str, object]:
@@ -85,6 +92,54 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+class Gate:
+    """A file the ranks wait for until the test creates it: the test looks at the ranks while
+    they run (their lines, their state), however slow the machine, then lets them through.
+
+    The test calls :meth:`open`; the ranks wait with :meth:`wait` (in a function shipped to
+    them, the gate an argument of ``nbdist.run``) or run :meth:`code` (in a cell or a script).
+    Both fail with a TimeoutError naming the gate after ``timeout`` seconds (None: never). The
+    ``gate`` fixture (``conftest.py``) gives a test a fresh one.
+
+    A gate travels by reference (cloudpickle pickles an importable class by name): a rank
+    imports ``tests.helpers``, as it imports a test module whose module-level function a test
+    ships. Every interpreter of the project's environment finds ``tests`` (the editable
+    install puts the checkout on ``sys.path``), the ranks of Spark's executors too.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def __repr__(self) -> str:
+        return f"Gate({self.path!r})"
+
+    def open(self) -> None:
+        """Let the ranks through; opening an open gate does nothing."""
+        Path(self.path).touch()  # the file appears whole: it has nothing in it
+
+    def wait(self, timeout: float | None = GATE_TIMEOUT_S) -> None:
+        """Block until the test opened the gate (on a rank: it needs only os and time)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not os.path.exists(self.path):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(self._never_opened(timeout))
+            time.sleep(0.01)
+
+    def code(self, indent: str = "", timeout: float | None = GATE_TIMEOUT_S) -> str:
+        """:meth:`wait` as source lines (no newline after the last), each after ``indent``, for
+        a cell or a script. They import os and time and bind no other name (a session keeps the
+        names a cell binds), so the deadline is wall-clock time, counted from this call."""
+        lines = ["import os, time", f"while not os.path.exists({self.path!r}):"]
+        if timeout is not None:
+            lines += [f"    if time.time() > {time.time() + timeout:.1f}:",
+                      f"        raise TimeoutError({self._never_opened(timeout)!r})"]
+        lines.append("    time.sleep(0.01)")
+        return "\n".join(indent + line for line in lines)
+
+    def _never_opened(self, timeout: float | None) -> str:
+        return f"gate {self.path} was not opened within {timeout:g} s: does the test open() it?"
 
 
 def none_left(find: Callable[[], list[psutil.Process]], within: float = GONE_WITHIN_S,

@@ -20,7 +20,7 @@ from nbdist.errors import DistributedError
 from nbdist.rank import death
 from nbdist.views import status
 
-from .helpers import running_job, wait_for
+from .helpers import Gate, running_job, wait_for
 
 
 def test_tail_reads_the_last_lines_across_blocks(tmp_path: Path) -> None:
@@ -103,17 +103,15 @@ def test_every_line_of_every_rank_is_in_its_log_file(
         ip.run_line_magic("dist_status", f"{job.id} --rank 5")
 
 
-def _killed_after_peak(release: str) -> int:
+def _killed_after_peak(release: Gate) -> int:
     import os
     import signal
-    import time
 
     rank = int(os.environ["RANK"])
     if rank == 1:
         held = b"x" * (120 << 20)  # resident: bytes * n writes every page
         print("holding", len(held), flush=True)
-        while not os.path.exists(release):  # the test saw the peak in a sample
-            time.sleep(0.05)
+        release.wait()  # the test saw the peak in a sample
         os.kill(os.getpid(), signal.SIGKILL)
     return rank
 
@@ -123,10 +121,10 @@ def _killed_after_peak(release: str) -> int:
 def test_a_rank_killed_by_a_signal_is_named_with_its_peak_memory(tmp_path: Path) -> None:
     """A rank killed by SIGKILL (not the OOM killer) is named with the signal and its peak
     RSS, in the error and in the job's state, which keeps the peak after the job ended."""
-    release = tmp_path / "release"
-    job = nbdist.run(_killed_after_peak, str(release), np=2, backend="local")
+    release = Gate(tmp_path / "release")
+    job = nbdist.run(_killed_after_peak, release, np=2, backend="local")
     wait_for(lambda: (job.state.ranks[1].peak_rss or 0) > 120e6, 60, "rank 1's peak in a sample")
-    release.write_text("")
+    release.open()
     with pytest.raises(DistributedError, match=r"rank 1 of 2 failed: rank 1 was killed by "
                        r"SIGKILL, peak RSS 1\d\d MB"):
         job.result(timeout=60)

@@ -21,7 +21,7 @@ from nbdist import session as sessions
 from nbdist.errors import CaptureError, DistributedError
 
 from . import children
-from .helpers import run, wait_for
+from .helpers import Gate, run, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -175,25 +175,23 @@ def notebook_logging() -> Iterator[None]:
 
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("notebook_logging")
-def test_notebook_logging_reaches_a_rank_live(ip: Any, tmp_path: Path) -> None:
+def test_notebook_logging_reaches_a_rank_live(ip: Any, gate: Gate) -> None:
     """An earlier cell's basicConfig: a rank's logger.info shows formatted while it runs."""
-    gate = tmp_path / "gate"
     run(ip, "import logging, sys\n"
             "logging.getLogger().handlers.clear()\n"
             "logging.basicConfig(level=logging.INFO, format='%(levelname)s|%(message)s',"
             " stream=sys.stdout)\n")
     job = run(ip, "%%distributed -np 1 --bg --quiet\n"
-                  "import logging, os, time\n"
+                  "import logging\n"
                   "logging.getLogger('x').info('hi')\n"
                   "logging.getLogger('x').debug('below the level')\n"
-                  f"while not os.path.exists({str(gate)!r}):\n"
-                  "    time.sleep(0.02)\n")
+                  + gate.code())
     try:
         wait_for(lambda: [ln.text for ln in job.state.ranks[0].log] == ["INFO|hi"], 60,
                  "the rank's log line, while the rank runs")
         assert not job.done()
     finally:
-        gate.touch()
+        gate.open()
     job.result(timeout=60)
     assert [ln.text for ln in job.state.ranks[0].log] == ["INFO|hi"]
 

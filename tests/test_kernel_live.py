@@ -18,6 +18,8 @@ import pytest
 
 from nbdist.views.widget import RATE_HZ
 
+from .helpers import Gate
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 60
 GATE_AT = 30
@@ -92,9 +94,8 @@ class Frontend:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_widget_updates_stream_live_and_are_coalesced(kernel: Any, tmp_path: Path) -> None:
+def test_widget_updates_stream_live_and_are_coalesced(kernel: Any, gate: Gate) -> None:
     """While the cell runs, each rank's bar advances in update messages, at most ~10 per second."""
-    gate = tmp_path / "gate"
     execute(kernel, "%load_ext nbdist")
     cell = f"""%%distributed -np 2
 import os, time
@@ -103,8 +104,7 @@ for step in tqdm(range({STEPS}), desc="train", mininterval=0):
     for k in range(200):
         print("step", step, "line", k)
     if step == {GATE_AT}:
-        while not os.path.exists({str(gate)!r}):
-            time.sleep(0.01)
+{gate.code("        ")}
     time.sleep(0.02)
 "done"
 """
@@ -130,7 +130,7 @@ for step in tqdm(range({STEPS}), desc="train", mininterval=0):
             [fe.values(fe.bar_of_rank(r) or "") for r in (0, 1)])
         pump()
     before_gate = {r: fe.values(fe.bar_of_rank(r) or "") for r in (0, 1)}
-    gate.touch()
+    gate.open()
     while not fe.idle:
         assert time.monotonic() < deadline, "the cell did not end"
         pump()

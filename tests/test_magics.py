@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 
 import nbdist
 
-from .helpers import GONE_WITHIN_S, run
+from .helpers import GONE_WITHIN_S, Gate, run
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def _reply(kc: Any, code: str, timeout: float = 120) -> tuple[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_unload_stops_what_nbdist_started_and_load_starts_over(tmp_path: Path) -> None:
+def test_unload_stops_what_nbdist_started_and_load_starts_over(gate: Gate) -> None:
     """%unload_ext nbdist refuses while a job runs; then it stops the session, the warm
     processes and the event server, and removes the magics; %load_ext nbdist works again."""
     from jupyter_client.manager import start_new_kernel
@@ -179,10 +179,7 @@ def test_unload_stops_what_nbdist_started_and_load_starts_over(tmp_path: Path) -
         assert _reply(kc, "%load_ext nbdist") == ("", "")
         assert not _reply(kc, "%dist_session start -np -2")[1]
         assert not _reply(kc, "%%distributed -np -2 --quiet\nimport json\n1")[1]
-        gate = tmp_path / "gate"
-        assert not _reply(kc, f"%%distributed -np -1 --quiet --bg\nimport os, time\n"
-                              f"while not os.path.exists({str(gate)!r}):\n"
-                              f"    time.sleep(0.01)\n")[1]
+        assert not _reply(kc, f"%%distributed -np -1 --quiet --bg\n{gate.code()}")[1]
         out, _ = _reply(kc, "import json, nbdist.events as e, nbdist.job as j\n"
                             "print(json.dumps([[s.address for s in e._shared.values()], "
                             "j.get_job().id]))")
@@ -192,7 +189,7 @@ def test_unload_stops_what_nbdist_started_and_load_starts_over(tmp_path: Path) -
         _, error = _reply(kc, "%unload_ext nbdist")
         assert f"nbdist was not unloaded: job {running} is still running" in error
         assert f"%dist_cancel {running}" in error
-        gate.touch()
+        gate.open()
         assert not _reply(kc, "j.get_job().result(timeout=60)")[1]
 
         assert _reply(kc, "%unload_ext nbdist") == ("", "")

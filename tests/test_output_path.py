@@ -4,7 +4,6 @@ flushed, long lines cut, a stalled bar's latest count."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ from nbdist import state
 from nbdist.state import JobState
 from nbdist.views.widget import Panel
 
-from .helpers import out, run, wait_for
+from .helpers import Gate, out, run, wait_for
 
 
 def test_text_chunks_fold_into_lines_partials_and_redraws() -> None:
@@ -57,21 +56,16 @@ def test_a_redrawn_line_is_logged_once_in_its_last_form(ip: Any, capsys: Any) ->
 
 
 @pytest.mark.timeout(120)
-def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> None:
+def test_a_flood_arrives_whole_in_order_and_in_few_events(gate: Gate) -> None:
     """Two ranks printing 50,000 lines each as fast as they can: every line, in order, batched."""
-    gate = tmp_path / "gate"
 
-    def flood(gate: str) -> int:
-        import os
-        import time
-
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+    def flood(gate: Gate) -> int:
+        gate.wait()
         for i in range(50_000):
             print("line", i)
         return 0
 
-    job = nbdist.run(flood, str(gate), np=2)
+    job = nbdist.run(flood, gate, np=2)
     events_seen: list[int] = []
     apply = job.state.apply
 
@@ -82,7 +76,7 @@ def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> Non
 
     job.state.apply = counting  # type: ignore[method-assign]
     wait_for(lambda: job.state.status == state.RUNNING, 60, "the ranks to run")
-    gate.touch()
+    gate.open()
     assert job.results == [0, 0]
     for r in job.state.ranks:  # the job ended only after the last lines were read
         assert r.lines == 50_000 and r.last_line == "line 49999"
@@ -92,27 +86,22 @@ def test_a_flood_arrives_whole_in_order_and_in_few_events(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_a_flood_is_flushed_while_the_rank_still_runs(tmp_path: Path) -> None:
+def test_a_flood_is_flushed_while_the_rank_still_runs(gate: Gate) -> None:
     """A rank that floods, then waits, has its whole flood shown without ending or flushing."""
-    gate = tmp_path / "gate"
 
-    def flood_then_wait(gate: str) -> int:
-        import os
-        import time
-
+    def flood_then_wait(gate: Gate) -> int:
         for i in range(100_000):
             print("line", i)
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+        gate.wait()
         return 0
 
-    job = nbdist.run(flood_then_wait, str(gate), np=1)
+    job = nbdist.run(flood_then_wait, gate, np=1)
     r = job.state.ranks[0]
     try:
         wait_for(lambda: r.lines == 100_000, 60, "the flood, while the rank waits")
         assert r.last_line == "line 99999" and not job.done()
     finally:
-        gate.touch()
+        gate.open()
     assert job.results == [0]
 
 
@@ -141,14 +130,11 @@ def test_the_line_printed_before_a_crash_is_kept_after_a_flood() -> None:
     assert job.state.ranks[0].last_line == "last words" and job.state.ranks[0].lines == 100_001
 
 
-def test_long_lines_are_cut_and_unfinished_lines_show_up(tmp_path: Path) -> None:
+def test_long_lines_are_cut_and_unfinished_lines_show_up(gate: Gate) -> None:
     """An overlong line is cut with a note however it is written; a prompt shows up unfinished."""
-    gate = tmp_path / "gate"
 
-    def talk(gate: str) -> None:
-        import os
+    def talk(gate: Gate) -> None:
         import sys
-        import time
 
         print("x" * 100_000)  # in one write
         for _ in range(10):  # in ten flushed pieces
@@ -157,16 +143,15 @@ def test_long_lines_are_cut_and_unfinished_lines_show_up(tmp_path: Path) -> None
         print()
         sys.stdout.write("Epoch 1: ")
         sys.stdout.flush()
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+        gate.wait()
         print("ok")
 
-    job = nbdist.run(talk, str(gate), np=1)
+    job = nbdist.run(talk, gate, np=1)
     r = job.state.ranks[0]
     try:
         wait_for(lambda: r.status_line == "Epoch 1: ", 60, "the unfinished line")
     finally:
-        gate.touch()
+        gate.open()
     job.result(timeout=60)
     keep = 16 * 1024
     assert [ln.text for ln in r.log] == [
@@ -177,28 +162,23 @@ def test_long_lines_are_cut_and_unfinished_lines_show_up(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(120)
-def test_a_bar_that_stalls_shows_its_latest_count(tmp_path: Path) -> None:
+def test_a_bar_that_stalls_shows_its_latest_count(gate: Gate) -> None:
     """Updates skipped by the rate limit are sent later, so a stalled loop shows its true count."""
-    gate = tmp_path / "gate"
 
-    def stall(gate: str) -> None:
-        import os
-        import time
-
+    def stall(gate: Gate) -> None:
         import nbdist
 
         for i in nbdist.progress(range(1000), desc="fast"):
             if i == 537:  # right after a burst of updates the rate limit skipped
-                while not os.path.exists(gate):
-                    time.sleep(0.01)
+                gate.wait()
 
-    job = nbdist.run(stall, str(gate), np=1)
+    job = nbdist.run(stall, gate, np=1)
     r = job.state.ranks[0]
     try:
         wait_for(lambda: r.bar is not None and r.progress[r.bar]["n"] == 537, 60,
                  "the count at the stall")
     finally:
-        gate.touch()
+        gate.open()
     job.result(timeout=60)
     assert r.bar is not None
     assert r.progress[r.bar]["n"] == 1000 and r.progress[r.bar]["desc"] == "fast"

@@ -15,7 +15,7 @@ from nbdist import job as jobs
 from nbdist.errors import ValuesDroppedError
 from nbdist.views import status
 
-from .helpers import run
+from .helpers import Gate, run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,25 +95,20 @@ def test_a_session_cell_s_values_are_bounded_too(
 
 
 def test_the_job_that_ended_last_keeps_its_values_whatever_the_start_order(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    monkeypatch: pytest.MonkeyPatch, gate: Gate
 ) -> None:
     """A job started first but ending last keeps its values; the one that ended before it,
     though started after it, lets its values go."""
     monkeypatch.setattr(jobs, "HISTORY_BYTES", 3_000_000)
-    gate = tmp_path / "gate"
 
     def slow(n: int) -> bytes:
-        import os
-        import time
-
-        while not os.path.exists(str(gate)):
-            time.sleep(0.01)
+        gate.wait()
         return bytes(n)
 
     first = nbdist.run(slow, 2_000_000, np=1, backend="local")
     second = nbdist.run(_big, 2_000_000, 7, np=1, backend="local")
     assert second.result()[:1] == b"\x07"
-    gate.touch()
+    gate.open()
     assert len(first.result()) == 2_000_000  # ended last: kept
     with pytest.raises(ValuesDroppedError):
         second.result()

@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 import nbdist
 from nbdist import state
 
-from .helpers import rank_processes, wait_for
+from .helpers import Gate, rank_processes, wait_for
 
 
 def env_of_rank() -> dict[str, str]:
@@ -63,25 +62,22 @@ def test_ranks_are_fresh_interpreters_in_their_own_process_group(
             assert pgid == ppid  # the guardian leads the group, the rank is its only child
 
 
-def test_output_is_live_and_labelled_by_rank(tmp_path: Path) -> None:
+def test_output_is_live_and_labelled_by_rank(gate: Gate) -> None:
     """A rank's line reaches the driver while the rank is still running."""
-    gate = tmp_path / "gate"
 
-    def talk(gate: str) -> str:
+    def talk(gate: Gate) -> str:
         import os
-        import time
 
         print(f"waiting on rank {os.environ['RANK']}", flush=True)
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+        gate.wait()
         return "released"
 
-    job = nbdist.run(talk, str(gate), np=2)
+    job = nbdist.run(talk, gate, np=2)
     wait_for(lambda: all(r.last_line.startswith("waiting") for r in job.state.ranks), 30,
              "both ranks' first line")
     assert not job.done()
     assert job.state.ranks[1].last_line == "waiting on rank 1"
-    gate.touch()
+    gate.open()
     assert job.result(timeout=30) == "released"
 
 
@@ -103,23 +99,19 @@ def test_output_is_captured_at_the_fd_level() -> None:
     assert ("o", "from a subprocess") in log
 
 
-def test_carriage_return_redraws_arrive_without_a_newline(tmp_path: Path) -> None:
+def test_carriage_return_redraws_arrive_without_a_newline(gate: Gate) -> None:
     """A progress redraw ending in \\r is seen by the driver before any newline follows."""
-    gate = tmp_path / "gate"
 
-    def bar(gate: str) -> None:
-        import os
+    def bar(gate: Gate) -> None:
         import sys
-        import time
 
         sys.stdout.write("step 1/2\r")
         sys.stdout.flush()
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+        gate.wait()
 
-    job = nbdist.run(bar, str(gate), np=1)
+    job = nbdist.run(bar, gate, np=1)
     wait_for(lambda: job.state.ranks[0].status_line == "step 1/2", 30, "the redraw")
-    gate.touch()
+    gate.open()
     job.result(timeout=30)
 
 
@@ -295,27 +287,22 @@ def test_run_rejects_bad_arguments() -> None:
 
 
 def test_a_silent_rank_still_sends_heartbeats(monkeypatch: pytest.MonkeyPatch,
-                                              tmp_path: Path) -> None:
+                                              gate: Gate) -> None:
     """A rank that prints nothing is still heard from, so it is not mistaken for a lost one."""
     from nbdist.rank import supervisor as rank_module
 
     monkeypatch.setattr(rank_module, "HEARTBEAT_S", 0.05)
-    gate = tmp_path / "gate"
 
-    def quiet(gate: str) -> None:
-        import os
-        import time
+    def quiet(gate: Gate) -> None:
+        gate.wait()
 
-        while not os.path.exists(gate):
-            time.sleep(0.01)
-
-    job = nbdist.run(quiet, str(gate), np=1)
+    job = nbdist.run(quiet, gate, np=1)
     # After "running", the quiet rank itself sends nothing more: only heartbeats can follow.
     wait_for(lambda: job.state.ranks[0].status == state.RUNNING, 30, "the rank to run")
     first = job.state.ranks[0].last_seen
     wait_for(lambda: (job.state.ranks[0].last_seen or 0) > (first or 0), 30, "a heartbeat")
     assert job.state.ranks[0].lines == 0 and not job.done()
-    gate.touch()
+    gate.open()
     job.result(timeout=30)
 
 

@@ -12,7 +12,7 @@ import pytest
 from nbdist import session as sessions
 from nbdist.errors import DistributedError, PullWarning, SessionError
 
-from .helpers import GONE_WITHIN_S, rank_processes, run
+from .helpers import GONE_WITHIN_S, Gate, rank_processes, run
 
 pytestmark = pytest.mark.usefixtures("no_session")
 
@@ -289,19 +289,15 @@ def test_pulling_a_value_threads_of_the_rank_may_be_changing_warns(
 
 
 def test_pulling_while_a_background_cell_runs_is_refused_until_it_ends(
-    ip: Any, live: sessions.Session, tmp_path: Path,
+    ip: Any, live: sessions.Session, gate: Gate,
 ) -> None:
     """%dist_pull while a --bg cell of the session runs is refused, naming the cell and how to
     wait for it (never a value read mid-cell); once the cell ended, the pull has its value."""
-    go = tmp_path / "go"
     run(ip, "%%distributed\nx = 0")
-    cell = run(ip, "%%distributed --bg\nimport os, time\n"
-                   f"while not os.path.exists({str(go)!r}):\n"
-                   "    time.sleep(0.01)\n"
-                   "x = 1")
+    cell = run(ip, f"%%distributed --bg\n{gate.code()}\nx = 1")
     with pytest.raises(SessionError, match=f"still running cell {cell.id}; wait for it"):
         run(ip, "%dist_pull x")
-    go.touch()
+    gate.open()
     cell.result(timeout=60)
     run(ip, "%dist_pull x")
     assert ip.user_ns["x"] == 1

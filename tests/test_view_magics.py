@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ import nbdist
 from nbdist import channel, events, state
 from nbdist import job as jobs
 
-from .helpers import rank_processes, run, wait_for
+from .helpers import Gate, rank_processes, run, wait_for
 
 
 @pytest.fixture
@@ -51,17 +50,14 @@ def test_panel_view_runs_a_tqdm_cell_to_a_styled_end(panel_view: Any, capsys: An
 
 
 @pytest.mark.timeout(120)
-def test_bg_returns_a_job_at_once_and_keeps_rendering(panel_view: Any, tmp_path: Path) -> None:
+def test_bg_returns_a_job_at_once_and_keeps_rendering(panel_view: Any, gate: Gate) -> None:
     """--bg returns the job while it runs; other cells run; the panel ends when the job does."""
-    gate = tmp_path / "gate"
-    job = run(panel_view, f"%%distributed -np 2 --bg\nimport os, time\n"
-                          f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
-                          f"'released'")
+    job = run(panel_view, f"%%distributed -np 2 --bg\n{gate.code()}\n'released'")
     assert isinstance(job, jobs.Job) and not job.done()
     assert run(panel_view, "6 * 7") == 42
     panels = [t for t in threading.enumerate() if t.name == f"nbdist-panel-{job.id}"]
     assert len(panels) == 1 and panels[0].is_alive()
-    gate.touch()
+    gate.open()
     assert job.result(timeout=60) == "released"
     panels[0].join(timeout=30)
     assert not panels[0].is_alive()
@@ -110,20 +106,15 @@ def test_dist_cancel_stops_a_background_job_and_says_who(ip: Any, capsys: Any) -
 
 @pytest.mark.timeout(120)
 def test_strangers_on_the_event_channel_are_rejected_and_the_job_goes_on(
-    ip: Any, tmp_path: Path, capsys: Any
+    ip: Any, gate: Gate, capsys: Any
 ) -> None:
     """Garbage and a wrong secret during a job are refused and counted; the job still succeeds."""
-    gate = tmp_path / "gate"
 
-    def wait_gate(gate: str) -> str:
-        import os
-        import time
-
-        while not os.path.exists(gate):
-            time.sleep(0.01)
+    def wait_gate(gate: Gate) -> str:
+        gate.wait()
         return "fine"
 
-    job = nbdist.run(wait_gate, str(gate), np=2)
+    job = nbdist.run(wait_gate, gate, np=2)
     wait_for(lambda: job.state.status == state.RUNNING, 60, "the job to run")
     server = events.shared_server("127.0.0.1")
     before = server.rejected
@@ -138,7 +129,7 @@ def test_strangers_on_the_event_channel_are_rejected_and_the_job_goes_on(
             assert reader.read() == b""  # the server hung up
             reader.close()
     wait_for(lambda: server.rejected == before + 2, 10, "two rejections")
-    gate.touch()
+    gate.open()
     assert job.results == ["fine", "fine"]
     run(ip, "%dist_status")
     assert "connections rejected" in capsys.readouterr().out

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ..helpers import wait_for
+from ..helpers import Gate, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -32,7 +32,7 @@ GATE_AT = 20
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
-def _notebook(gate: Path) -> dict[str, Any]:
+def _notebook(gate: Gate) -> dict[str, Any]:
     # mininterval=0: tqdm skips redraws within 0.1 s of the last one, so a rank that blocks at
     # the gate right after a skipped count would show the count before it, as in a terminal.
     cell = f"""%%distributed -np 2
@@ -45,8 +45,7 @@ for step in tqdm(range({STEPS}), desc="train", mininterval=0):
     print(f"step {{step}} loss {{loss:.3f}}")
     nbdist.report(loss=loss)
     if step == {GATE_AT}:
-        while not os.path.exists({str(gate)!r}):
-            time.sleep(0.01)
+{gate.code("        ")}
     time.sleep(0.05)
 f"rank {{rank}} finished"
 """
@@ -132,14 +131,13 @@ _HALFWAY = f"""() => [0, 1].every(rank => (window.__nbdist || []).some(
 
 @pytest.mark.timeout(300)
 def test_each_rank_bar_advances_in_the_page_before_the_cell_ends(
-    lab: tuple[str, Path], tmp_path: Path
+    lab: tuple[str, Path], gate: Gate
 ) -> None:
     """In JupyterLab, both ranks' bars move while the cell runs, then end green; screenshot."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
     url, root = lab
-    gate = tmp_path / "gate"
     (root / "panel.ipynb").write_text(json.dumps(_notebook(gate)))
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
@@ -158,7 +156,7 @@ def test_each_rank_bar_advances_in_the_page_before_the_cell_ends(
             page.wait_for_function(_HALFWAY, timeout=120_000)
             samples = page.evaluate("() => window.__nbdist")
             page.locator(".nbdist-panel").first.screenshot(path=str(ARTIFACTS / "panel-live.png"))
-            gate.touch()
+            gate.open()
             prompt = page.locator(".jp-Notebook .jp-Cell").nth(1).locator(".jp-InputPrompt")
             sync_api.expect(prompt).to_have_text(re.compile(r"\[2\]"), timeout=120_000)
             panel = page.locator(".nbdist-panel").first

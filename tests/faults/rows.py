@@ -27,7 +27,7 @@ from nbdist.launch import Launcher
 from nbdist.launch.backends import choose as choose_launcher
 from nbdist.protocol import CallPayload, LaunchRequest, RankOutcome
 
-from ..helpers import GONE_WITHIN_S, wait_for
+from ..helpers import GONE_WITHIN_S, Gate, wait_for
 
 
 class Target(NamedTuple):
@@ -239,16 +239,15 @@ def output_flood(target: Target, mib: int) -> None:
 
 
 def strangers_are_rejected(target: Target, tmp_path: Path) -> None:
-    gate = tmp_path / "gate"
-    src = f"""
-def f():
-    import os, time
+    gate = Gate(tmp_path / "gate")
+    src = """
+def f(gate):
+    import os
     print("working", flush=True)
-    while not os.path.exists({str(gate)!r}):
-        time.sleep(0.01)
+    gate.wait()
     return int(os.environ["RANK"])
 """
-    job = job_of(target, src)
+    job = job_of(target, src, gate=gate)
     wait_for(lambda: all(r.last_line == "working" for r in job.state.ranks), 120, "ranks up")
     server = events.shared_server(job.launcher.driver_address())
     rejected = server.rejected
@@ -261,7 +260,7 @@ def f():
             sock.settimeout(5)
             assert sock.recv(1) == b""  # closed on us
     wait_for(lambda: server.rejected == rejected + 3, 10, "three rejections")
-    gate.touch()
+    gate.open()
     assert job.results == [0, 1]
 
 
@@ -365,11 +364,10 @@ def unreachable_event_server(target: Target) -> None:
 
 
 LIVE = """
-def f():
-    import os, time
+def f(gate):
+    import os
     print("live", flush=True)
-    while not os.path.exists({gate!r}):
-        time.sleep(0.01)
+    gate.wait()
     return int(os.environ["RANK"])
 """
 
@@ -377,13 +375,13 @@ def f():
 def streams_live(target: Target, tmp_path: Path, name: str) -> None:
     """A 2-rank job whose output reaches the notebook while it runs: it waits for a gate that
     opens only once both ranks' first line has arrived."""
-    gate = tmp_path / name
-    job = job_of(target, LIVE.format(gate=str(gate)))
+    gate = Gate(tmp_path / name)
+    job = job_of(target, LIVE, gate=gate)
     try:
         wait_for(lambda: all(r.last_line == "live" for r in job.state.ranks), 120,
                  "both ranks' line, live, before the job ends")
     finally:
-        gate.touch()
+        gate.open()
     assert job.results == [0, 1]
     assert job.lost_output is None
 

@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -155,9 +154,3 @@ def three_hosts(mh: Kernel, cluster: Cluster) -> Kernel:
         cluster.wait()
         mh.execute("_mh_executors(3)", timeout=EXECUTORS_S + 10)
     return mh
-
-
-@pytest.fixture
-def gate(tmp_path: Path) -> Path:
-    """A file the ranks wait for (every host sees this machine's files)."""
-    return tmp_path / "gate"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from ..helpers import Gate
 from .helpers import WORKERS, rank_processes, ranks_gone
 from .hosts import Network
 from .kernel import Kernel, Reply
@@ -28,14 +29,14 @@ RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SPARK_LOCAL_IP",
             "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "NBDIST_GPU")
 
-#: A 4-rank training cell: the ranks say where they are, wait for the gate (so the test sees
-#: their output while they run), then all_reduce and 20 DDP steps on different data per rank.
+#: A 4-rank training cell: the ranks say where they are, wait for the gate (``wait``: its
+#: ``code()``; every host sees this machine's files), so the test sees their output while they
+#: run, then all_reduce and 20 DDP steps on different data per rank.
 TRAIN = """%%distributed -np {np} -o envs
 import os, socket, time
 import torch, torch.distributed as dist
 print(f"up on {{socket.gethostname()}}", flush=True)
-while not os.path.exists({gate!r}):
-    time.sleep(0.05)
+{wait}
 dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(total)
@@ -64,13 +65,13 @@ def _lines(stdout: str, text: str) -> dict[int, str]:
     return found
 
 
-def _run_live(kernel: Kernel, cell: str, gate: Path, np: int) -> Reply:
+def _run_live(kernel: Kernel, cell: str, gate: Gate, np: int) -> Reply:
     """Run ``cell``; its ranks' first lines must show while they wait at ``gate``."""
     msg_id = kernel.start(cell)
     live = kernel.collect(msg_id, timeout=300,
                           until=lambda r: len(_lines(r.stdout, "up on ")) == np or bool(r.error))
     assert live.error is None, live.error
-    gate.touch()  # the ranks were still waiting: their output arrived while they ran
+    gate.open()  # the ranks were still waiting: their output arrived while they ran
     rest = kernel.collect(msg_id, timeout=300)
     rest.stdout = live.stdout + rest.stdout
     rest.stderr = live.stderr + rest.stderr
@@ -109,10 +110,10 @@ def _check_world(envs: list[dict[str, Any]], np: int, network: Network) -> dict[
 
 
 def test_four_ranks_over_two_hosts_train_with_live_output(
-    mh: Kernel, network: Network, gate: Path
+    mh: Kernel, network: Network, gate: Gate
 ) -> None:
     """4 ranks on 2 hosts: output live, the torchrun env per rank, all_reduce, 20 DDP steps."""
-    reply = _run_live(mh, TRAIN.format(np=4, gate=str(gate), keys=RANK_ENV), gate, 4)
+    reply = _run_live(mh, TRAIN.format(np=4, wait=gate.code(), keys=RANK_ENV), gate, 4)
     assert reply.error is None, reply.error
     # The event server was reached through the advertised name: nothing was lost.
     assert "OutputLostWarning" not in reply.stderr, reply.stderr
@@ -122,10 +123,10 @@ def test_four_ranks_over_two_hosts_train_with_live_output(
 
 
 def test_three_hosts_with_ranks_placed_unevenly(
-    three_hosts: Kernel, network: Network, gate: Path
+    three_hosts: Kernel, network: Network, gate: Gate
 ) -> None:
     """5 ranks on 3 hosts of 2 slots (2+2+1): LOCAL_RANK, NODE_RANK and DDP follow placement."""
-    reply = _run_live(three_hosts, TRAIN.format(np=5, gate=str(gate), keys=RANK_ENV), gate, 5)
+    reply = _run_live(three_hosts, TRAIN.format(np=5, wait=gate.code(), keys=RANK_ENV), gate, 5)
     assert reply.error is None, reply.error
     by_host = _check_world(three_hosts.value("envs"), 5, network)
     assert sorted(map(len, by_host.values())) == [1, 2, 2]
@@ -381,12 +382,12 @@ def test_later_runs_fork_ranks_from_every_hosts_executor_zygote(
     ranks_gone(network)
 
 
-#: Ranks that print where they run and return their rank.
+#: Ranks that print where they run, wait for the gate (``wait``: its ``code()``) and return
+#: their rank.
 WHERE = """%%distributed -np 4 -o ranks
 import os, socket, time
 print(f"up on {{socket.gethostname()}}", flush=True)
-while not os.path.exists({gate!r}):
-    time.sleep(0.05)
+{wait}
 int(os.environ["RANK"])
 """
 
@@ -402,12 +403,12 @@ def _log_lines(path: Path, n: int, timeout: float) -> list[str]:
 
 
 def test_driver_behind_a_port_forwarder(
-    three_hosts: Kernel, network: Network, gate: Path
+    three_hosts: Kernel, network: Network, gate: Gate, tmp_path: Path
 ) -> None:
     """With the advertised address and port configured, ranks reach the driver through NAT."""
     kernel = three_hosts
     port = 47000  # a fixed port, as forwarded into a container
-    log = gate.with_name("forward.log")
+    log = tmp_path / "forward.log"
     with open(log, "w") as out:
         forward = subprocess.Popen(
             [*network.prefix("nat"), sys.executable,
@@ -418,7 +419,7 @@ def test_driver_behind_a_port_forwarder(
         assert _log_lines(log, 1, 60) == ["listening"]
         kernel.execute(f"%config DistMagics.driver_host = 'nat'\n"
                        f"%config DistMagics.driver_port = {port}")
-        reply = _run_live(kernel, WHERE.format(gate=str(gate)), gate, 4)
+        reply = _run_live(kernel, WHERE.format(wait=gate.code()), gate, 4)
         assert reply.error is None, reply.error
         assert "OutputLostWarning" not in reply.stderr, reply.stderr
         assert kernel.value("ranks") == [0, 1, 2, 3]
@@ -546,11 +547,11 @@ def test_restart_after_an_executor_is_lost(
 
 
 def test_lost_executor_names_its_host_and_every_rank_on_it(
-    three_hosts: Kernel, network: Network, gate: Path
+    three_hosts: Kernel, network: Network, gate: Gate
 ) -> None:
     """Host B's executor JVM killed mid-run: the error names B and all of B's ranks."""
     kernel = three_hosts
-    msg_id = kernel.start(WHERE.format(gate=str(gate)))
+    msg_id = kernel.start(WHERE.format(wait=gate.code()))
     live = kernel.collect(msg_id, timeout=300,
                           until=lambda r: len(_lines(r.stdout, "up on ")) == 4)
     host, on_host = _other_host(_lines(live.stdout, "up on "))

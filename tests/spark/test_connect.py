@@ -19,7 +19,7 @@ from nbdist.launch import backends
 from nbdist.launch import spark as spark_backend
 from nbdist.rank import localcode
 
-from ..helpers import run, wait_for
+from ..helpers import Gate, run, wait_for
 from ..test_elastic import _fails_first
 from .test_warm_executors import _until_forked
 
@@ -113,21 +113,16 @@ def test_sessions_restarts_and_warm_executors_on_connect(
 
 
 def test_cancel_interrupts_this_jobs_tag_only(
-    spark_connect: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    spark_connect: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: Gate,
 ) -> None:
     """A cancelled job's stage is interrupted through its own tag (no grace: Spark kills the
     tasks at once), while another query of the same session, running beside it, finishes."""
-    gate = tmp_path / "gate"
     started = tmp_path / "started"
 
     def other_query(batches: Any) -> Any:
-        import os
-        import time
-
         for batch in batches:
             open(str(started), "w").close()
-            while not os.path.exists(str(gate)):
-                time.sleep(0.05)
+            gate.wait()
             yield batch
 
     other: list[Any] = []
@@ -148,6 +143,6 @@ def test_cancel_interrupts_this_jobs_tag_only(
     job.cancel()
     assert job.wait(timeout=60)
     assert job.state.status == state.CANCELLED
-    gate.touch()
+    gate.open()
     thread.join(timeout=300)
     assert [tuple(r) for r in other[0]] == [(0,)], other

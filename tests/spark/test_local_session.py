@@ -20,7 +20,7 @@ from nbdist import job as jobs
 from nbdist import state
 from nbdist.launch import executor_zygote
 
-from ..helpers import GONE_WITHIN_S, wait_for
+from ..helpers import GONE_WITHIN_S, Gate, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -145,9 +145,9 @@ class OtherSparkJob:
 
     GROUP = "someone-elses-job"
 
-    def __init__(self, session: SparkSession, gate: Path) -> None:
+    def __init__(self, session: SparkSession, gate: Gate) -> None:
         self.sc = session.sparkContext
-        self.gate = str(gate)
+        self.gate = gate
         self.result: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -156,11 +156,7 @@ class OtherSparkJob:
         gate = self.gate
 
         def wait_for_gate(x: int) -> int:
-            import os
-            import time
-
-            while not os.path.exists(gate):
-                time.sleep(0.01)
+            gate.wait()  # in Spark's Python worker, which imports tests.helpers as a rank does
             return x + 1
 
         try:
@@ -181,11 +177,11 @@ class OtherSparkJob:
 
 
 def test_cancel_stops_only_this_job_and_every_rank(
-    ip: Any, spark_local: SparkSession, tmp_path: Path
+    ip: Any, spark_local: SparkSession, gate: Gate
 ) -> None:
     """%dist_cancel and the stop button end nbdist's jobs; another job of the session goes on."""
     assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # pyspark's
-    other = OtherSparkJob(spark_local, tmp_path / "gate")
+    other = OtherSparkJob(spark_local, gate)
     other.thread.start()
     wait_for(lambda: other.running_tasks() == 1, 120, "the other job's task to run")
 
@@ -223,7 +219,7 @@ def test_cancel_stops_only_this_job_and_every_rank(
     wait_for(lambda: not _alive(pid), GONE_WITHIN_S, "the rank process to end")
 
     assert other.thread.is_alive() and other.running_tasks() == 1  # untouched so far
-    (tmp_path / "gate").touch()
+    gate.open()
     other.thread.join(60)
     assert other.error is None and other.result == [42]
 

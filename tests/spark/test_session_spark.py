@@ -7,7 +7,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.errors import DistributedError
 
-from ..helpers import GONE_WITHIN_S, run, wait_for
+from ..helpers import GONE_WITHIN_S, Gate, run, wait_for
 from ..sparks import marked_rank_processes
 from .test_local_session import OtherSparkJob
 
@@ -137,12 +136,11 @@ def test_interrupt_keeps_the_spark_session(ip: Any, spark_session_ranks: session
 
 
 def test_stop_button_on_a_session_cell_spares_other_spark_jobs(
-    ip: Any, spark_local: SparkSession, tmp_path: Path
+    ip: Any, spark_local: SparkSession, gate: Gate
 ) -> None:
     """SIGINT during a Spark session cell interrupts that cell only: a Spark job of someone
     else's, running in a background thread, finishes, and the session keeps its variables."""
     assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # pyspark's
-    gate = tmp_path / "gate"
     other = OtherSparkJob(spark_local, gate)
     run(ip, "%dist_session start -np 1")  # one slot of two: the other job takes the second
     live = sessions.current()
@@ -171,12 +169,12 @@ def test_stop_button_on_a_session_cell_spares_other_spark_jobs(
         assert err.reason == "cancelled" and "interrupted from the notebook" in str(err)
         assert live.alive
         assert other.thread.is_alive() and other.running_tasks() == 1  # untouched
-        gate.touch()
+        gate.open()
         other.thread.join(60)
         assert other.error is None and other.result == [42]
         assert run(ip, "%%distributed\nticks > 0") is True
     finally:
-        gate.touch()
+        gate.open()
         if live.alive:
             live.stop()
 
