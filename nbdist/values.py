@@ -31,6 +31,8 @@ import pickle
 import sys
 from typing import Any
 
+from nbdist.protocol import Pulled
+
 #: Most bytes in one piece of a value (one frame to the supervisor, one block to the driver).
 CHUNK = 4 * 2**20
 #: Buffers at least this large travel out of band (smaller ones stay in the pickle stream).
@@ -69,6 +71,9 @@ def dumps(value: Any) -> list[memoryview]:
 
     if type(value) is bytes and len(value) >= OUT_OF_BAND_BYTES:
         value = _Bytes(value)
+    elif type(value) is Pulled and type(value.value) is bytes \
+            and len(value.value) >= OUT_OF_BAND_BYTES:  # %dist_pull's value, with its threads
+        value = Pulled(_Bytes(value.value), value.threads)
 
     torch = sys.modules.get("torch")  # only if the rank's code imported it
     arrays: dict[tuple[int, str], Any] = {}  # a storage's flat array: tensors sharing it share it

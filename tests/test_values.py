@@ -4,6 +4,7 @@ large buffers received without a copy."""
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,18 @@ def test_a_large_bytes_value_is_received_into_the_bytes_object_it_becomes() -> N
     assert got == value and hash(got) == hash(value)
     with pytest.raises(ValueError, match="bytes segments"):
         values.Receiver(secret, 3, sizes, [1])  # the pickle stream itself is never bytes
+
+
+def test_a_pulled_bytes_value_travels_out_of_band_too() -> None:
+    """``%dist_pull``'s answer wraps the value with the rank's threads (``Pulled``); a large
+    ``bytes`` value in it still travels out of band (the kernel's peak stays about 1x)."""
+    from nbdist.protocol import Pulled
+
+    value = bytes(range(256)) * (1 * 2**20 // 256)
+    segments = values.dumps(Pulled(value, ["worker"]))
+    assert values.bytes_segments(segments) == [0] and segments[0].nbytes == len(value)
+    back = pickle.loads(segments[-1], buffers=segments[:-1])
+    assert back == Pulled(value, ["worker"]) and type(back.value) is bytes
 
 
 class Trap:
