@@ -307,10 +307,15 @@ dist.destroy_process_group()
 """
 
 
-def test_dataframe_shards_across_hosts(mh: Kernel, network: Network) -> None:
+def test_dataframe_shards_across_hosts(mh: Kernel, network: Network, tmp_path: Path) -> None:
     """Ranks on two hosts read disjoint equal shards of a DataFrame the executors exported
-    (the hosts share files, not /tmp) and end together; the export goes with the DataFrame."""
-    mh.execute('mh_df = spark.range(0, 30_001, numPartitions=3).selectExpr('
+    into storage every host mounts (``spark.nbdist.shard.dir``, as ``/dbfs/tmp/...`` on
+    Databricks: the driver's temporary folder is hidden from the workers) and end together;
+    the export goes with the DataFrame."""
+    shared = tmp_path / "shards"  # pytest's folder: every host sees it, as a shared mount
+    shared.mkdir()
+    mh.execute(f'spark.conf.set("spark.nbdist.shard.dir", {str(shared)!r})\n'
+               'mh_df = spark.range(0, 30_001, numPartitions=3).selectExpr('
                '"id", "cast(id % 5 as double) as x")', timeout=60)
     mh.execute(SHARD_CELL, timeout=300)
     parts = mh.value("parts")
@@ -320,8 +325,10 @@ def test_dataframe_shards_across_hosts(mh: Kernel, network: Network) -> None:
     assert len(set(flat)) == 30_000 and set(flat) <= set(range(30_001))
     assert len({p["host"] for p in parts}) == 2
     assert mh.value("len(__import__('nbdist.data').data.exports())") == 1
-    mh.execute("del mh_df\nimport gc\ngc.collect()", timeout=60)
+    mh.execute("del mh_df\nimport gc\ngc.collect()\nspark.conf.unset('spark.nbdist.shard.dir')",
+               timeout=60)
     assert mh.value("__import__('nbdist.data').data.exports()") == []
+    assert not any(shared.iterdir())
     ranks_gone(network)
 
 
