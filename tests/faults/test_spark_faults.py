@@ -203,8 +203,11 @@ def test_too_many_ranks_fail_before_any_spark_job(spark_local: SparkSession) -> 
     before = spark_job_ids(spark_local, "nbdist-test-probe-1")
     with pytest.raises(nbdist.CapacityError) as info:
         nbdist.run(print, np=3)
-    assert spark_job_ids(spark_local, "nbdist-test-probe-2") == before + 1  # none submitted
-    assert set(tracker.getActiveJobsIds()) <= earlier  # and none pending
+    probe = spark_job_ids(spark_local, "nbdist-test-probe-2")
+    assert probe == before + 1  # none submitted
+    # and none pending (the probe itself may still be listed as active a moment after count()
+    # returned: Spark's listener marks a job ended in the background)
+    assert set(tracker.getActiveJobsIds()) - {probe} <= earlier
     message = str(info.value)
     assert "asked for 3 ranks" in message and "only 2 barrier tasks at once" in message
     assert "limited by CPU cores: 1 executor with 2 cores in all, spark.task.cpus=1" in message

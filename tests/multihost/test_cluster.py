@@ -323,7 +323,7 @@ def test_dataframe_shards_across_hosts(mh: Kernel, network: Network, tmp_path: P
     assert [len(i) for i in ids] == [7500] * 4 and {p["batches"] for p in parts} == {8}
     flat = [v for i in ids for v in i]
     assert len(set(flat)) == 30_000 and set(flat) <= set(range(30_001))
-    assert len({p["host"] for p in parts}) == 2
+    assert len({p["host"] for p in parts}) >= 2  # the workers the cluster has now (2 or 3)
     assert mh.value("len(__import__('nbdist.data').data.exports())") == 1
     mh.execute("del mh_df\nimport gc\ngc.collect()\nspark.conf.unset('spark.nbdist.shard.dir')",
                timeout=60)
