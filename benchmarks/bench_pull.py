@@ -59,7 +59,7 @@ def one_pull(kind: str, mb: int) -> dict[str, Any]:
             import torch  # noqa: F401  (a notebook pulling tensors has it; not the pull's cost)
         before = psutil.Process().memory_info().rss
         start = time.perf_counter()
-        value = live.run_cell({"kind": "pull", "name": "x", "rank": 0}).results[0]
+        value = live.run_cell({"kind": "pull", "name": "x", "rank": 0}).results[0].value
         seconds = time.perf_counter() - start
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if kind == "torch":
