@@ -127,11 +127,12 @@ def run_cell(cell: str, ns: dict[str, Any], np: int, times: dict[str, float] | N
              ) -> list[Any]:
     from nbdist import job as jobs
     from nbdist.capture import capture_cell
+    from nbdist.options import JobOptions
 
     start = time.perf_counter()
     captured = capture_cell(cell, ns, warn_bytes=1 << 62)
     captured_at = time.perf_counter()
-    job = jobs.start(captured.payload(), np, backend="spark", gpu=False)
+    job = jobs.start(captured.payload(), np, JobOptions(backend="spark", gpu=False))
     job.result()
     if times is not None:
         times["capture"] = captured_at - start
