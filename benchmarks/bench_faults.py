@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ from nbdist.job import Job
 from nbdist.launch import local
 from nbdist.launch.backends import choose as choose_launcher
 from nbdist.launch.zygote import COMMAND
+from nbdist.protocol import CallPayload
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5.0  # --timeout of the hang row
@@ -209,7 +211,7 @@ def spark_kills_unreachable(backend: str) -> tuple[float, float]:
     """Cancel ranks that cannot reach the event server: Spark kills their tasks."""
     with tempfile.TemporaryDirectory() as d:
         launcher = Misdirected(choose_launcher(2, backend)[0])
-        payload = {"kind": "call", "fn": define(HANG), "args": (d,), "kwargs": {}}
+        payload: CallPayload = {"kind": "call", "fn": define(HANG), "args": (d,), "kwargs": {}}
         job = Job(payload, 2, launcher).start()
         wait_files(Path(d), "pid*", 2)
         procs = pids_in(Path(d))
@@ -249,7 +251,7 @@ def unreachable(backend: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     nbdist.run(trivial, np=2, backend=backend).result(timeout=120)
     normal = time.perf_counter() - t0
-    payload = {"kind": "call", "fn": trivial, "args": (), "kwargs": {}}
+    payload: CallPayload = {"kind": "call", "fn": trivial, "args": (), "kwargs": {}}
     t0 = time.perf_counter()
     job = Job(payload, 2, Misdirected(choose_launcher(2, backend)[0])).start()
     job.wait(120)
@@ -324,7 +326,7 @@ def main() -> int:
     backends = ["local"] if args.no_spark else ["local", "spark"]
     spark = None if args.no_spark else start_spark()
     timed: dict[str, Callable[[str], tuple[float, float]]] = {
-        name: (lambda backend, code=code: fault(backend, code)) for name, code in FAULTS.items()}
+        name: functools.partial(fault, code=code) for name, code in FAULTS.items()}
     timed["cancel (%dist_cancel, the stop button), one rank ignoring SIGTERM"] = cancel
     timed["a child started in its own session, from the rank's result"] = lingering_child
     spark_only = {

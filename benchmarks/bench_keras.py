@@ -80,9 +80,9 @@ def reserve_and_release() -> None:
 
 
 def reservation(reps: int, calls: int) -> dict[str, Any]:
-    contenders = {"channel.free_port() (rank 0's MASTER_PORT)": channel.free_port,
-                  "supervisor._reserve_port() + release (every rank, TF_CONFIG)":
-                      reserve_and_release}
+    contenders: dict[str, Callable[[], Any]] = {
+        "channel.free_port() (rank 0's MASTER_PORT)": channel.free_port,
+        "supervisor._reserve_port() + release (every rank, TF_CONFIG)": reserve_and_release}
     times: dict[str, list[float]] = {c: [] for c in contenders}
     for _ in range(reps):
         for label, fn in contenders.items():
@@ -100,11 +100,11 @@ def reserving(on: bool) -> Iterator[None]:
     """Supervisors reserve a TF port (as shipped), or reserve nothing (no TF_CONFIG)."""
     saved = supervisor._reserve_port
     if not on:
-        supervisor._reserve_port = lambda: None  # type: ignore[assignment]
+        supervisor._reserve_port = lambda: None
     try:
         yield
     finally:
-        supervisor._reserve_port = saved  # type: ignore[assignment]
+        supervisor._reserve_port = saved
 
 
 def warm_trivial(reserve: bool) -> float:

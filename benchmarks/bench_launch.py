@@ -138,7 +138,7 @@ def zygotes(on: bool) -> Iterator[None]:
 def spawn(fn: Callable[[], Any]) -> None:
     from nbdist.channel import free_port
 
-    mp.spawn(_spawned, args=(fn, free_port()), nprocs=2)
+    mp.spawn(_spawned, args=(fn, free_port()), nprocs=2)  # type: ignore[attr-defined]
 
 
 def torch_distributor(local_mode: bool) -> Callable[[Callable[[], Any]], None]:

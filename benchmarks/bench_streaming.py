@@ -29,6 +29,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +131,7 @@ def latency(n: int, np: int, tmp: Path) -> dict[str, Any]:
     seen: list[tuple[float, str]] = []
     apply = job.state.apply
 
-    def stamped(rank: int, event: dict[str, Any]) -> None:
+    def stamped(rank: int, event: Mapping[str, Any]) -> None:
         apply(rank, event)
         if event.get("t") == "out":
             seen.append((time.time(), str(event.get("text", ""))))
@@ -174,7 +175,7 @@ def main() -> None:
     total = args.lines or (80_000 if args.quick else 1_000_000)
     reps = args.reps or (1 if args.quick else 3)
     per_rank = 200 if args.quick else 1000  # latency: 1000 lines = 5 s per rank
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for np in (int(x) for x in args.np.split(",")):
@@ -182,7 +183,7 @@ def main() -> None:
                          "latency": latency(per_rank, np, tmp)})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = table(rows)
-    four = next((r for r in rows if r["np"] == 4), None)
+    four: dict[str, Any] | None = next((r for r in rows if r["np"] == 4), None)
     goals = {"no line lost": all(r["throughput"]["lost"] == r["latency"]["lost"] == 0
                                  for r in rows)}
     if four is not None:

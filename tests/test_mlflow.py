@@ -63,7 +63,7 @@ def _autolog_on_rank_0() -> None:
     import os
 
     import mlflow
-    from sklearn.linear_model import LinearRegression  # type: ignore[import-untyped]
+    from sklearn.linear_model import LinearRegression
 
     if os.environ["RANK"] == "0":
         mlflow.autolog(log_models=False, log_datasets=False, silent=True)
