@@ -133,6 +133,24 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_peak_memory(tmp_path: Path)
     assert "out-of-memory" not in str(job.error)
 
 
+def test_an_old_oom_record_of_a_reused_pid_is_not_this_ranks(tmp_path: Path) -> None:
+    """The kernel log keeps every OOM kill since boot and pids are reused (32768 of them on
+    many hosts): a record logged before the rank's watch began is another process's."""
+    now = death.log_clock()
+    log = tmp_path / "kmsg"
+    old, new = int((now - 3600) * 1e6), int((now + 5) * 1e6)
+    log.write_text(
+        f"3,101,{old},-;Memory cgroup out of memory: Killed process 4242 (python) "
+        "total-vm:185724kB, anon-rss:94720kB, file-rss:5692kB, shmem-rss:0kB\n"
+        " SUBSYSTEM=memory\n"
+        f"3,102,{new},-;Memory cgroup out of memory: Killed process 4343 (python) "
+        "total-vm:185724kB, anon-rss:1024kB, file-rss:1024kB, shmem-rss:0kB\n")
+    assert death.kernel_log_kill(4242, str(log), since=now) is None
+    assert death.kernel_log_kill(4242, str(log)) is not None  # no start given: any record
+    kill = death.kernel_log_kill(4343, str(log), since=now)
+    assert kill is not None and kill.rss == 2048 * 1024 and "4343" in kill.evidence
+
+
 def _memory_cgroup_parent() -> Path | None:
     """A memory cgroup folder this process may create children in (root on cgroup v1 or v2)."""
     own = death.memory_cgroup(os.getpid())

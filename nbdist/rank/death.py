@@ -17,10 +17,13 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 KMSG = "/dev/kmsg"
+#: How far the kernel log's clock and ``CLOCK_MONOTONIC_RAW`` may disagree.
+LOG_CLOCK_SLACK_S = 1.0
 #: ``Killed process 1234 (python) total-vm:...kB, anon-rss:...kB, file-rss:...kB, shmem-rss:...kB``
 _KILLED = re.compile(r"Killed process (\d+) \(([^)]*)\)(.*)")
 _RSS = re.compile(r"(anon|file|shmem)-rss:\s*(\d+)kB")
@@ -76,6 +79,9 @@ class OomWatch:
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
+        #: When the watch began (the kernel log's clock): an older record is not this rank's,
+        #: whatever pid it names (pids are reused: 32768 of them on many hosts).
+        self.since = log_clock()
 
     def see(self, pid: int) -> None:
         folder = memory_cgroup(pid)
@@ -91,7 +97,7 @@ class OomWatch:
 
     def killed(self, pid: int | None) -> OomKill | None:
         """Evidence that the OOM killer killed ``pid`` (the rank's process), or None."""
-        logged = kernel_log_kill(pid) if pid is not None else None
+        logged = kernel_log_kill(pid, since=self.since) if pid is not None else None
         if logged is not None:
             return logged
         with self._lock:
@@ -104,8 +110,15 @@ class OomWatch:
         return None
 
 
-def kernel_log_kill(pid: int, path: str = KMSG) -> OomKill | None:
-    """The kernel log's ``Killed process PID`` record, where the log can be read."""
+def log_clock() -> float:
+    """Now on the kernel log's clock (seconds since boot, not slewed by NTP)."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC_RAW)
+
+
+def kernel_log_kill(pid: int, path: str = KMSG, since: float = 0.0) -> OomKill | None:
+    """The kernel log's ``Killed process PID`` record, where the log can be read; only records
+    logged after ``since`` (``log_clock``; less a second of slack between the two clocks)
+    count: an older one is of another process that had the same pid."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
@@ -121,13 +134,20 @@ def kernel_log_kill(pid: int, path: str = KMSG) -> OomKill | None:
                 continue
             if not record:
                 break
-            text = record.decode("utf-8", "replace")
-            message = text.partition(";")[2]
-            hit = _KILLED.search(message)
-            if hit and int(hit.group(1)) == pid:
-                kb = [int(v) for _, v in _RSS.findall(hit.group(3))]
-                found = OomKill(f"the kernel's log: {message.strip()}",
-                                sum(kb) * 1024 if kb else None)
+            for line in record.decode("utf-8", "replace").splitlines():
+                # "priority,sequence,microseconds since boot,flags;message"; continuation
+                # lines (" KEY=value") have no ";" before their text.
+                head, semi, message = line.partition(";")
+                fields = head.split(",")
+                if not semi or len(fields) < 3 or not fields[2].isdigit():
+                    continue
+                if int(fields[2]) / 1e6 < since - LOG_CLOCK_SLACK_S:
+                    continue
+                hit = _KILLED.search(message)
+                if hit and int(hit.group(1)) == pid:
+                    kb = [int(v) for _, v in _RSS.findall(hit.group(3))]
+                    found = OomKill(f"the kernel's log: {message.strip()}",
+                                    sum(kb) * 1024 if kb else None)
     finally:
         os.close(fd)
     return found
