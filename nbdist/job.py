@@ -686,6 +686,13 @@ class Job(Handle):
 
     def _failure_error(self, failed: list[RankOutcome]) -> DistributedError:
         root = self._first_failure if self._first_failure is not None else failed[0].rank
+        # A rank killed by a signal nbdist did not send (SIGKILL, a segfault) is the cause its
+        # peers' errors follow from (a collective's connection reset), whichever was heard
+        # first: on a busy machine a peer's exception can reach the driver before the death.
+        killed = [o.rank for o in failed
+                  if o.error is None and o.exit_code is not None and o.exit_code < 0]
+        if killed and root not in killed:
+            root = killed[0]
         ordered = sorted(failed, key=lambda o: (o.rank != root, o.rank))
         first = ordered[0]
         what = (

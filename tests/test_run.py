@@ -418,6 +418,24 @@ def test_a_job_that_restarts_is_built_without_launching_too() -> None:
     assert job.results == [0, 1] and job in jobs.jobs() and len(job.attempts) == 1
 
 
+def test_a_rank_killed_by_a_signal_is_named_first_whoever_was_heard_first() -> None:
+    """Rank 0 SIGKILLed in a collective, rank 1's connection-reset error heard first (a busy
+    machine): the error names rank 0, the cause, and lists both."""
+    from nbdist import job as jobs
+    from nbdist.launch.local import LocalLauncher
+    from nbdist.protocol import RankOutcome, RankStatus
+
+    job = jobs.Job(None, 2, LocalLauncher())
+    job._first_failure = 1  # rank 1's failure reached the driver first
+    err = job._failure_error([
+        RankOutcome(1, RankStatus.FAILED, error={"type": "RuntimeError", "traceback": "",
+                                                 "message": "Connection reset by peer"}),
+        RankOutcome(0, RankStatus.FAILED, exit_code=-9),
+    ])
+    assert str(err).startswith("rank 0 of 2 failed: rank 0 was killed by SIGKILL"), str(err)
+    assert "(ranks 1 failed after it)" in str(err) and set(err.failures) == {0, 1}
+
+
 def test_a_distributed_error_reason_is_an_enum_equal_to_its_word() -> None:
     """DistributedError.reason is a Reason, a str enum equal to and printed as its word, kept
     through pickling; a reason that is none of them is refused."""

@@ -319,6 +319,7 @@ class Supervisor:
         self._world = threading.Event()
         self._world_env: dict[str, str] = {}
         self._cancelled = threading.Event()
+        self._cancelled_before_exit = False  # set when the rank ends (_watch)
         self._lock = threading.Lock()
         self._proc: Proc | None = None
         self._result: bytes | None = None
@@ -536,7 +537,8 @@ class Supervisor:
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
             peak_rss=self._sampler.peak_rss if self._sampler is not None else None,
         )
-        if code == -signal.SIGKILL and self._result is None and not self._cancelled.is_set():
+        stopped = self._cancelled_before_exit
+        if code == -signal.SIGKILL and self._result is None and not stopped:
             kill = self._oom.killed(self._rank_pid_now())
             if kill is not None:
                 outcome.oom = kill.evidence
@@ -546,7 +548,7 @@ class Supervisor:
             # The value was delivered and output flushed: a crash after that (torch's teardown
             # abort) does not make the rank a failure. A session's rank ends on ``quit``.
             outcome.status = RankStatus.DONE
-        elif self._cancelled.is_set() and self._error is None:
+        elif stopped and self._error is None:
             outcome.status = RankStatus.CANCELLED
         self._result = None  # the outcome has it: the launcher may keep this supervisor
         self._send({"t": "state", "state": outcome.status, "exit": code})
@@ -597,6 +599,10 @@ class Supervisor:
         for t in pumps:
             t.start()
         code = proc.wait()
+        # Whether nbdist had asked the rank to stop before it ended: a rank that died on its
+        # own before a cancel came (the cancel another rank's failure caused) failed, it was
+        # not stopped.
+        self._cancelled_before_exit = self._cancelled.is_set()
         self.mark(timeline.EXIT)
         # Whatever the rank left in its group (servers, data loader workers) goes with it; this
         # also closes the pipes those processes inherited, so the pumps reach end of file.
