@@ -226,9 +226,8 @@ def test_the_server_paces_its_clients_by_how_many_are_connected(
     readers[0][1].close()
 
 
-def test_a_paced_client_holds_what_follows_a_write(server: events.EventServer) -> None:
-    """Told to write at most every 30 s, a client sends a first event at once, holds the next
-    (merged with what follows) and sends it when closed."""
+def _paced_client(server: events.EventServer) -> tuple[Recorder, EventClient]:
+    """A client told to write at most every 30 s, whose first line went at once."""
     rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
@@ -237,6 +236,13 @@ def test_a_paced_client_holds_what_follows_a_write(server: events.EventServer) -
     wait_for(lambda: client._every == 30, 10, "the pace")
     client.send({"t": "out", "s": "o", "text": "first\n"})
     wait_for(lambda: rec.events, 10, "the first line, at once")
+    return rec, client
+
+
+def test_a_paced_client_holds_what_follows_a_write(server: events.EventServer) -> None:
+    """Told to write at most every 30 s, a client sends a first event at once, holds the next
+    (merged with what follows) and sends it when closed."""
+    rec, client = _paced_client(server)
     client.send({"t": "out", "s": "o", "text": "second\n"})
     client.send({"t": "out", "s": "o", "text": "third\n"})
     time.sleep(0.3)  # a window to see that nothing else goes, not a wait for anything
@@ -251,14 +257,7 @@ def test_the_end_of_a_session_cell_goes_at_once_whatever_the_pace(
 ) -> None:
     """Told to write at most every 30 s, a client still sends a session cell's end (and the
     output held before it) right away: the notebook waits for it."""
-    rec, secret = Recorder(), channel.new_secret()
-    server.add_job("j1", secret, rec)
-    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
-    wait_for(lambda: rec.connected, 10, "the hello")
-    assert server.send("j1", 0, {"t": "pace", "every": 30})
-    wait_for(lambda: client._every == 30, 10, "the pace")
-    client.send({"t": "out", "s": "o", "text": "first\n"})
-    wait_for(lambda: rec.events, 10, "the first line, at once")
+    rec, client = _paced_client(server)
     client.send({"t": "out", "s": "o", "text": "printed by the cell\n"})
     client.send({"t": "cell_result", "cell": 1, "mac": "m", "type": "int"})
     wait_for(lambda: len(rec.events) == 3, 20, "the cell's end, well before the 30 s pace")

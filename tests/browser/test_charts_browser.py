@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .test_panel_browser import ARTIFACTS, CHROMIUM, lab  # noqa: F401 - lab is a fixture
+from .test_panel_browser import ARTIFACTS, CHROMIUM, lab, new_page, open_lab  # noqa: F401 - lab is a fixture
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -70,13 +70,9 @@ def test_the_chart_line_grows_while_the_cell_runs(lab: tuple[str, Path],  # noqa
     (root / "panel.ipynb").write_text(json.dumps(_notebook(gate)))
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        browser, page = new_page(p)
         try:
-            page.goto(url)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-            page.get_by_text(re.compile(r"\| Idle")).first.wait_for(timeout=120_000)
+            open_lab(page, url)
             page.locator(".jp-Notebook .jp-Cell").first.click()
             page.keyboard.press("Escape")
             page.keyboard.press("Shift+Enter")

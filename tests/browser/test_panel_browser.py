@@ -32,6 +32,21 @@ GATE_AT = 20
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
+def new_page(p: Any) -> tuple[Any, Any]:
+    """Debian's Chromium (``CHROMIUM``), headless, and a page of the tests' size in it."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                args=["--no-sandbox", "--disable-gpu"])
+    return browser, browser.new_page(viewport={"width": 1400, "height": 1000})
+
+
+def open_lab(page: Any, url: str) -> None:
+    """JupyterLab at ``url`` (a notebook) in ``page``, once its cells show and its kernel is
+    idle."""
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    page.get_by_text(re.compile(r"\| Idle")).first.wait_for(timeout=120_000)
+
+
 def _notebook(gate: Gate) -> dict[str, Any]:
     # mininterval=0: tqdm skips redraws within 0.1 s of the last one, so a rank that blocks at
     # the gate right after a skipped count would show the count before it, as in a terminal.
@@ -141,13 +156,9 @@ def test_each_rank_bar_advances_in_the_page_before_the_cell_ends(
     (root / "panel.ipynb").write_text(json.dumps(_notebook(gate)))
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        browser, page = new_page(p)
         try:
-            page.goto(url)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-            page.get_by_text(re.compile(r"\| Idle")).first.wait_for(timeout=120_000)
+            open_lab(page, url)
             page.evaluate(_OBSERVER)
             page.locator(".jp-Notebook .jp-Cell").first.click()
             page.keyboard.press("Escape")
@@ -253,13 +264,9 @@ def test_panels_of_64_and_256_ranks_stay_small_and_readable_in_the_page(
     ARTIFACTS.mkdir(exist_ok=True)
     figures: dict[str, Any] = {}
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        browser, page = new_page(p)
         try:
-            page.goto(url)
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-            page.get_by_text(re.compile(r"\| Idle")).first.wait_for(timeout=120_000)
+            open_lab(page, url)
             page.locator(".jp-Notebook .jp-Cell").first.click()
             page.keyboard.press("Escape")
             page.keyboard.press("Shift+Enter")  # %load_ext nbdist
