@@ -56,9 +56,10 @@ RATE_HZ = 10.0
 MESSAGES_PER_S = 200.0
 #: Share of a core the panel's renders may take: after a render that took ``t`` of CPU, the
 #: next waits at least ``t / RENDER_SHARE``. Renders of a few ranks take well under a
-#: millisecond (so ``RATE_HZ`` decides); a render of 1024 ranks several milliseconds, so such
-#: a panel updates about once a second and the driver stays near 2 % of a core.
-RENDER_SHARE = 0.01
+#: millisecond (so ``RATE_HZ`` decides); a render of 1024 ranks 2-5 ms, so such a panel
+#: updates one to two times a second (its ranks write every 2.56 s, ``events``) and costs
+#: half a percent of a core, of the 2 % that the driver may spend on 1024 ranks.
+RENDER_SHARE = 0.005
 #: ... but never waits longer than this (a first render that builds many widgets costs more).
 MAX_RENDER_WAIT_S = 1.0
 #: Above this many ranks, rows collapse into a summary plus the ranks worth looking at, and
@@ -245,6 +246,7 @@ class Panel(BackgroundRenderer):
         # A large job: every rank, by host, in groups that start closed (the browser opens
         # them without the kernel), and a filter that lists the ranks it names.
         self.host_names: list[str] = []
+        self._host_ranges: dict[tuple[int, ...], str] = {}  # a host's ranks, as ``0-7``
         self._host_turn = 0
         if self.collapsed:  # (a small job's panel opens no widget it does not show)
             self.hosts = w.Accordion(children=[], selected_index=None,
@@ -380,9 +382,13 @@ class Panel(BackgroundRenderer):
         if names != self.host_names:  # hosts come in with the ranks' hellos
             self.host_names = names
             self.hosts.children = [w.HTML(_dom_classes=("nbdist-host",)) for _ in names]
+            self._host_ranges.clear()
             sent += 1
-        titles = tuple(f"{g.name} · ranks {status.rank_ranges(g.ranks)} · "
-                       f"{status.group_states(g)}"
+        ranges = self._host_ranges  # a host's ranks rarely change; its title's words do
+        for g in summary.hosts:
+            if g.ranks not in ranges:
+                ranges[g.ranks] = status.rank_ranges(g.ranks)
+        titles = tuple(f"{g.name} · ranks {ranges[g.ranks]} · {status.group_states(g)}"
                        + (f" · {p}" if (p := status.group_progress(g)) else "")
                        for g in summary.hosts)
         sent += _set(self.hosts, titles=titles)
