@@ -33,6 +33,11 @@ the panel does): what it costs, how many redraws and how many bytes they would s
     .venv/bin/python benchmarks/bench_scale.py [--ranks 256] [--rate 10] [--seconds 20]
     .venv/bin/python benchmarks/bench_scale.py --ranks 64,256,1024 --seconds 10
     .venv/bin/python benchmarks/bench_scale.py --metrics 5 --charts
+    .venv/bin/python benchmarks/bench_scale.py --ranks 1024 --baseline main --rounds 3
+
+``--baseline REF`` measures git revision REF's ``nbdist`` (extracted from this checkout) beside
+this one, runs interleaved and the order swapped every round, so that both see the same load
+on a shared machine; the comparison table gives each one's median driver CPU per size.
 """
 
 from __future__ import annotations
@@ -41,8 +46,10 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -51,6 +58,7 @@ from typing import Any
 
 import psutil
 
+import nbdist
 from nbdist import channel, events
 from nbdist.state import LOG_LINES, JobState
 from nbdist.world import Hello, plan_world
@@ -250,17 +258,20 @@ def _panel_misses(panel: Any, job: JobState) -> list[int]:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
+    code = any("code" in r for r in results)  # --baseline: which nbdist ran each row
     rows = [
-        "| ranks | driver CPU (% of a core) | idle baseline | panel: renders, messages/s, "
-        "KB/s | memory per rank (run / full logs) | events sent / delivered / lost | "
-        "rendezvous: plan / sends (driver CPU) / wall | world sent |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ranks |" + (" nbdist |" if code else "") + " driver CPU (% of a core) | idle "
+        "baseline | panel: renders, messages/s, KB/s | memory per rank (run / full logs) | "
+        "events sent / delivered / lost | rendezvous: plan / sends (driver CPU) / wall | "
+        "world sent |",
+        "| --- |" + (" --- |" if code else "") + " --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         panel = (f"{r['panel_renders']}, {r['panel_messages_per_s']:.0f}, "
                  f"{r['panel_kb_per_s']:.1f}" if r.get("panel") else "no panel")
         rows.append(
-            f"| {r['ranks']} | {r['driver_cpu_pct_of_one_core']:.2f} % | "
+            f"| {r['ranks']} |" + (f" {r.get('code', '')} |" if code else "") +
+            f" {r['driver_cpu_pct_of_one_core']:.2f} % | "
             f"{r['idle_baseline_cpu_pct']:.2f} % | {panel} | "
             f"{r['driver_memory_kb_per_rank']:.1f} KB / "
             f"{r['driver_memory_kb_per_rank_full_logs']:.0f} KB | {r['events_sent']} / "
@@ -271,17 +282,47 @@ def _table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _baseline_tree(ref: str, where: Path) -> Path:
+    """The ``nbdist`` package of git revision ``ref`` of this checkout, extracted under
+    ``where`` (the baseline's code; this bench script drives both)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "nbdist"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
+    return where
+
+
+def _one_size(args: argparse.Namespace, n: str, tree: Path | None) -> dict[str, Any]:
+    """One size in a process of its own, on this checkout's nbdist or on ``tree``'s."""
+    cmd = [sys.executable, __file__, "--ranks", n.strip(), "--rate", str(args.rate),
+           "--seconds", str(5.0 if args.quick else args.seconds)]
+    cmd += ["--no-resources"] if args.no_resources else []
+    cmd += ["--no-panel"] if args.no_panel else []
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
+    subprocess.run(cmd, check=False, cwd=tree or ROOT, env=env)
+    result: dict[str, Any] = json.loads(
+        (ROOT / "benchmarks" / "results" / "scale.json").read_text())
+    if args.baseline:
+        result["code"] = f"{args.baseline} (baseline)" if tree else "as shipped"
+    return result
+
+
 def _sizes(args: argparse.Namespace) -> int:
-    """Each size in a process of its own (memory per rank is the process's own), one table."""
+    """Each size in a process of its own (memory per rank is the process's own), one table.
+    With ``--baseline REF``: REF's nbdist and this one, interleaved (``--rounds`` each, the
+    order swapped every round), and the medians of their driver CPU compared."""
     results = []
-    for n in args.ranks.split(","):
-        cmd = [sys.executable, __file__, "--ranks", n.strip(), "--rate", str(args.rate),
-               "--seconds", str(5.0 if args.quick else args.seconds)]
-        cmd += ["--no-resources"] if args.no_resources else []
-        cmd += ["--no-panel"] if args.no_panel else []
-        subprocess.run(cmd, check=False, cwd=ROOT)
-        results.append(json.loads((ROOT / "benchmarks" / "results" / "scale.json").read_text()))
+    with tempfile.TemporaryDirectory(prefix="nbdist-baseline-") as tmp:
+        tree = _baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
+        for n in args.ranks.split(","):
+            if tree is None:
+                results.append(_one_size(args, n, None))
+                continue
+            for i in range(args.rounds):
+                order = (tree, None) if i % 2 == 0 else (None, tree)
+                results += [_one_size(args, n, t) for t in order]
     text = _table(results)
+    if tree is not None:
+        text += "\n" + _compare(results) + "\n"
     bad = [r["ranks"] for r in results if r["events_lost"] or r["ranks_with_stale_values"]
            or r.get("panel_misses")]
     if bad:
@@ -291,6 +332,20 @@ def _sizes(args: argparse.Namespace) -> int:
     (out / "scale-sizes.json").write_text(json.dumps(results, indent=2))
     (out / "scale-sizes.md").write_text(text)
     return 1 if bad else 0
+
+
+def _compare(results: list[dict[str, Any]]) -> str:
+    """Per size: the median driver CPU of the baseline's runs and of this nbdist's."""
+    rows = ["| ranks | driver CPU, baseline (median) | as shipped (median) | as shipped / "
+            "baseline | runs each |", "| --- | --- | --- | --- | --- |"]
+    for ranks in dict.fromkeys(r["ranks"] for r in results):
+        cpu = {code: statistics.median(r["driver_cpu_pct_of_one_core"] for r in results
+                                       if r["ranks"] == ranks and r["code"] == code)
+               for code in dict.fromkeys(r["code"] for r in results)}
+        base, now = cpu[next(c for c in cpu if c.endswith("(baseline)"))], cpu["as shipped"]
+        runs = sum(r["ranks"] == ranks and r["code"] == "as shipped" for r in results)
+        rows.append(f"| {ranks} | {base:.2f} % | {now:.2f} % | {now / base:.2f}x | {runs} |")
+    return "\n".join(rows)
 
 
 def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps in order
@@ -306,8 +361,13 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
                         help="every event a report of this many metrics")
     parser.add_argument("--charts", action="store_true",
                         help="render the panel's charts from the series meanwhile")
+    parser.add_argument("--baseline", metavar="REF",
+                        help="with several sizes: also run git revision REF's nbdist, "
+                             "interleaved, and compare (e.g. main)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --baseline: runs of each nbdist per size")
     args = parser.parse_args()
-    if "," in args.ranks:
+    if "," in args.ranks or args.baseline:
         return _sizes(args)
     ranks = int(args.ranks)
     seconds = 5.0 if args.quick else args.seconds
@@ -335,7 +395,8 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
         [sys.executable, "-c", CLIENTS, *map(str, server.address), "bench", secret,
          str(ranks), str(args.rate), str(seconds), "0" if args.no_resources else "1",
          str(args.metrics)],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        # In the tree this nbdist comes from (``python -c`` puts its directory first).
+        stdout=subprocess.PIPE, text=True, cwd=Path(nbdist.__file__).resolve().parent.parent,
     )
     assert clients.stdout is not None
     assert clients.stdout.readline().strip() == "connected"
