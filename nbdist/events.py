@@ -115,6 +115,8 @@ class JobChannel(Protocol):
     A job may also have ``block_buffer(rank, event) -> memoryview | None``: where to read the
     binary block that ``event`` announces (exactly ``event["raw"]`` bytes), so that it lands
     where it belongs without a copy; the event then arrives with that view as its ``data``.
+    And ``on_events(rank, events)``: the events of one write together, in order, in place of
+    one ``on_event`` each (the job folds them at once; it handles each one's errors itself).
     """
 
     def on_connect(self, rank: int, hello: Event) -> None: ...
@@ -484,14 +486,24 @@ class EventServer:
 
     def _deliver(self, conn: _Conn, batch: list[Event]) -> None:
         entry = self._jobs.get(conn.job_id or "")  # one dict read, atomic: no need for the lock
-        if entry is not None:
-            for event in batch:
-                if event.get("t") in PROMPT:
-                    self._prompt = True
-                try:
-                    entry[1].on_event(conn.rank, event)
-                except Exception:  # a bad event must not kill the channel for every job
-                    log.exception("nbdist: event handler failed for %r", event.get("t"))
+        if entry is None:
+            return
+        for event in batch:
+            if event.get("t") in PROMPT:
+                self._prompt = True
+        many = getattr(entry[1], "on_events", None) if len(batch) > 1 else None
+        if many is not None:
+            try:
+                many(conn.rank, batch)
+            except Exception:  # a bad event must not kill the channel for every job
+                log.exception("nbdist: event handler failed for a write of %d events",
+                              len(batch))
+            return
+        for event in batch:
+            try:
+                entry[1].on_event(conn.rank, event)
+            except Exception:  # a bad event must not kill the channel for every job
+                log.exception("nbdist: event handler failed for %r", event.get("t"))
 
     def _hello(self, conn: _Conn, event: Event) -> bool:
         job_id, rank, mac = event.get("job"), event.get("rank"), event.get("mac")

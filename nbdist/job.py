@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import pickle
 import queue
 import secrets
@@ -67,7 +68,11 @@ STACKS_TAIL_LINES = 5
 PDB_PROMPT = "(Pdb) "
 #: How long a timeout or a cancel waits for the ranks' stacks before it stops them.
 FORENSICS_S = 2.5
+#: Kinds of event that only feed the job's state (output also its log files): a write made of
+#: these is folded at once (``Job.on_events``).
+_FOLDED = frozenset({"out", "progress", "metrics", "res", "hb"})
 
+log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
@@ -461,6 +466,25 @@ class Job(Handle):
                     self._first_failure = rank
             if first:
                 self._cancel(f"rank {rank} failed")
+
+    def on_events(self, rank: int, events: list[channel.Event]) -> None:
+        """The events of one write (``events.JobChannel``): those that only feed the state,
+        folded together; anything else, or a job with an owner, one by one."""
+        if self._owner is not None or any(e.get("t") not in _FOLDED for e in events):
+            for event in events:
+                try:
+                    self.on_event(rank, event)
+                except Exception:  # as the server does for each: the others still count
+                    log.exception("nbdist: event handler failed for %r", event.get("t"))
+            return
+        for event in events:
+            if event.get("t") == "out" and isinstance(text := event.get("text"), str):
+                self._logs.write(rank, text)
+        self.state.apply_many(rank, events)
+        if rank == 0 and self._mlflow is not None:
+            for event in events:
+                if event.get("t") == "metrics":
+                    self._mlflow.put(event.get("values") or {})
 
     def block_buffer(self, rank: int, event: channel.Event) -> memoryview | None:
         """Where a binary block goes (``events.JobChannel``); a plain job takes none."""

@@ -147,49 +147,70 @@ class JobState:
         checked here before it is used, and what does not fit is ignored."""
         if not 0 <= rank < self.np:
             return
-        kind = event.get("t")
         with self.lock:
-            r = self.ranks[rank]
-            r.last_seen = time.time()
-            if kind == "hb":
-                return  # a heartbeat only says the rank's supervisor is alive
-            if kind == "out":
-                r.last_output = r.last_seen
-                text = event.get("text")
-                if isinstance(text, str):
-                    self._output_text(r, str(event.get("s", "o")), text)
-            elif kind == "progress":
-                # The event itself is the bar (n, total, desc, rate, elapsed): no copy.
-                bar_id = event.get("id", 0)
-                r.bar = bar_id if isinstance(bar_id, int) else 0
-                r.progress[r.bar] = cast(ProgressEvent, event)  # as the rank sent it
-                postfix = event.get("postfix")  # tqdm's set_postfix: metrics at step n
-                if isinstance(postfix, dict):
-                    r.metrics.update(postfix)
-                    step = event.get("step", event.get("n"))  # n, counted on across resets
-                    self.series.add(rank, postfix, step, r.last_seen)
-            elif kind == "metrics":
-                values = event.get("values")
-                if isinstance(values, dict):
-                    r.metrics.update(values)
-                    self.series.add(rank, values, event.get("step"), r.last_seen)
-            elif kind == "state":
-                self._rank_state(r, event)
-            elif kind == "res":
-                r.resources = res = Resources.from_event(event, r.last_seen)
-                r.peak_rss = _max(r.peak_rss, res.peak, res.rss)
-                r.peak_cpu = _max(r.peak_cpu, res.cpu)
-                if res.gpus:
-                    r.peak_gpu_mem = _max(r.peak_gpu_mem, sum(g.mem or 0 for g in res.gpus))
-            elif kind == "marks":
-                at = event.get("at")
-                if isinstance(at, dict):
-                    r.marks.update(timeline.clean(at))
-            elif kind == "hello":
-                r.host = event.get("host")
-                gpus = event.get("gpus") or []
-                r.gpu = ",".join(map(str, gpus)) or None
-            self.version += 1
+            self._fold(self.ranks[rank], event, time.time())
+
+    def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]]) -> None:
+        """Fold the events of one rank's write, in order, as :meth:`apply` does each: under
+        one hold of the lock and one reading of the clock (the driver of 1024 ranks folds
+        about 400 writes a second). An event that raises does not keep the others out; the
+        first error is raised once all are in."""
+        if not 0 <= rank < self.np:
+            return
+        error: Exception | None = None
+        with self.lock:
+            r, now = self.ranks[rank], time.time()
+            for event in events:
+                try:
+                    self._fold(r, event, now)
+                except Exception as exc:  # a field of a type no check foresaw
+                    error = error or exc
+        if error is not None:
+            raise error
+
+    def _fold(self, r: RankState, event: Mapping[str, Any], now: float) -> None:
+        """One event of rank ``r`` at wall time ``now``; the caller holds the lock."""
+        kind = event.get("t")
+        r.last_seen = now
+        if kind == "hb":
+            return  # a heartbeat only says the rank's supervisor is alive
+        if kind == "out":
+            r.last_output = now
+            text = event.get("text")
+            if isinstance(text, str):
+                self._output_text(r, str(event.get("s", "o")), text)
+        elif kind == "progress":
+            # The event itself is the bar (n, total, desc, rate, elapsed): no copy.
+            bar_id = event.get("id", 0)
+            r.bar = bar_id if isinstance(bar_id, int) else 0
+            r.progress[r.bar] = cast(ProgressEvent, event)  # as the rank sent it
+            postfix = event.get("postfix")  # tqdm's set_postfix: metrics at step n
+            if isinstance(postfix, dict):
+                r.metrics.update(postfix)
+                step = event.get("step", event.get("n"))  # n, counted on across resets
+                self.series.add(r.rank, postfix, step, now)
+        elif kind == "metrics":
+            values = event.get("values")
+            if isinstance(values, dict):
+                r.metrics.update(values)
+                self.series.add(r.rank, values, event.get("step"), now)
+        elif kind == "state":
+            self._rank_state(r, event)
+        elif kind == "res":
+            r.resources = res = Resources.from_event(event, now)
+            r.peak_rss = _max(r.peak_rss, res.peak, res.rss)
+            r.peak_cpu = _max(r.peak_cpu, res.cpu)
+            if res.gpus:
+                r.peak_gpu_mem = _max(r.peak_gpu_mem, sum(g.mem or 0 for g in res.gpus))
+        elif kind == "marks":
+            at = event.get("at")
+            if isinstance(at, dict):
+                r.marks.update(timeline.clean(at))
+        elif kind == "hello":
+            r.host = event.get("host")
+            gpus = event.get("gpus") or []
+            r.gpu = ",".join(map(str, gpus)) or None
+        self.version += 1
 
     def _rank_state(self, r: RankState, event: Mapping[str, Any]) -> None:
         new = event.get("state")
@@ -575,9 +596,12 @@ def _names(items: Iterable[str]) -> str:
 
 
 def _max(*values: float | None) -> Any:
-    """The largest of the values that are known, or None."""
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
+    """The largest of the values that are known, or None (every ``res`` event asks)."""
+    best = None
+    for v in values:
+        if v is not None and (best is None or v > best):
+            best = v
+    return best
 
 
 # -- a job that restarts (--max-restarts, ``nbdist.elastic``) -----------------------------------
@@ -612,10 +636,16 @@ class ElasticState(JobState):
         self.metrics_sink: Callable[[dict[str, Any]], None] | None = None
 
     def apply(self, rank: int, event: Mapping[str, Any]) -> None:
-        super().apply(rank, event)
+        self.apply_many(rank, (event,))
+
+    def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]]) -> None:
+        events = events if isinstance(events, (list, tuple)) else list(events)
+        super().apply_many(rank, events)
         sink = self.metrics_sink
-        if sink is not None and rank == 0 and event.get("t") == "metrics":
-            sink(event.get("values") or {})
+        if sink is not None and rank == 0:
+            for event in events:
+                if event.get("t") == "metrics":
+                    sink(event.get("values") or {})
 
     @property
     def total(self) -> int:

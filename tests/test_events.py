@@ -132,6 +132,33 @@ def test_a_line_may_carry_an_array_of_events(server: events.EventServer, raw) ->
     assert _closed(sock) and server.rejected == 1 and len(rec.events) == 2
 
 
+class BatchRecorder(Recorder):
+    """A job that takes the events of a write together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[list[str]] = []
+
+    def on_events(self, rank: int, batch: list[dict[str, object]]) -> None:
+        with self.lock:
+            self.writes.append([str(e["t"]) for e in batch])
+
+
+def test_a_job_that_takes_writes_whole_gets_each_array_in_one_call(
+        server: events.EventServer, raw) -> None:
+    """A job with ``on_events`` gets an array's events in one call, in order; a lone event
+    still comes through ``on_event``."""
+    rec, secret = BatchRecorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    sock, nonce = raw()
+    sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": 0,
+                                "mac": channel.sign(secret, nonce, "j1", 0)}))
+    sock.sendall(b'[{"t": "out", "s": "o", "text": "x\\n"}, {"t": "hb"}, {"t": "res"}]\n')
+    sock.sendall(b'{"t": "metrics", "values": {"a": 1}}\n')
+    wait_for(lambda: rec.writes and rec.events, 10, "the array and the lone event")
+    assert rec.writes == [["out", "hb", "res"]] and [e["t"] for _, e in rec.events] == ["metrics"]
+
+
 @pytest.fixture
 def raw(server: events.EventServer) -> Iterator[object]:
     """Open raw connections to the server; all closed after the test."""

@@ -91,6 +91,40 @@ def test_bad_events_are_ignored() -> None:
     assert job.ranks[0].lines == 0 and job.ranks[0].metrics == {}
 
 
+def test_a_write_folded_at_once_equals_its_events_folded_one_by_one() -> None:
+    """``apply_many`` leaves the state as ``apply`` of each event in turn would."""
+    write: list[dict[str, object]] = [
+        out(("a", "\n"), ("b", "\r"), ("c", "")), {"t": "hb"},
+             {"t": "progress", "id": 1, "n": 3, "total": 9, "postfix": {"acc": 0.5}},
+             {"t": "metrics", "values": {"loss": 0.25}, "step": 3},
+             {"t": "res", "cpu": 150.0, "rss": 2000, "peak": 3000},
+             {"t": "state", "state": "running"}, out(("d", "\n"))]
+    one, many = JobState("j", "local", 2), JobState("j", "local", 2)
+    for event in write:
+        one.apply(1, event)
+    many.apply_many(1, write)
+    many.apply_many(7, write)  # an unknown rank: nothing
+    a, b = one.ranks[1], many.ranks[1]
+    assert [ln.text for ln in b.log] == [ln.text for ln in a.log] == ["a", "cd"]
+    assert (b.status_line, b.progress, b.metrics, b.peak_rss, b.status) == \
+        (a.status_line, a.progress, a.metrics, a.peak_rss, a.status)
+    assert b.resources is not None and b.resources.cpu == 150.0 and many.version == one.version
+    assert many.series.points("loss", 1)[-1].value == 0.25 and many.ranks[0].lines == 0
+
+
+def test_an_event_that_raises_keeps_no_other_event_of_its_write_out() -> None:
+    """The events after one whose fold raises still land; the error is raised afterwards."""
+
+    class Broken(dict[str, object]):
+        def get(self, key: str, default: object = None) -> object:
+            raise RuntimeError("a field of a type no check foresaw")
+
+    job = JobState("j", "local", 1)
+    with pytest.raises(RuntimeError, match="no check foresaw"):
+        job.apply_many(0, [out(("a", "\n")), Broken(), out(("b", "\n"))])
+    assert [ln.text for ln in job.ranks[0].log] == ["a", "b"]
+
+
 def test_every_event_and_heartbeat_marks_the_rank_as_seen() -> None:
     """last_seen moves with any event, a heartbeat included, which changes nothing else."""
     job = JobState("j", "local", 1)
