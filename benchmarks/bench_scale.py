@@ -7,8 +7,10 @@ process: cheap ranks (no rank processes), but each talks through the supervisor'
 second (an output batch, a progress update and a metrics update in turn, a heartbeat every
 ``HEARTBEAT_S``, and a resources sample every ``resources.SAMPLE_S`` as a supervisor sends,
 unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only
-the server and a real ``JobState``: CPU time per second of wall time (as % of one core),
-against the same process idle for the same time (the baseline), and resident memory per rank,
+the server and a real ``JobState``: CPU time per second of wall time (as % of one core)
+while the ranks send, and over the run and the job's end together (every rank closing at once:
+its CPU is also given alone, in ms, as a job pays it once), against the same process idle for
+the same time (the baseline), and resident memory per rank,
 during the run and once every rank's log ring is full. The newest progress and metrics of
 every rank must be in the state at the end (coalescing may only skip superseded updates), and
 no event lost.
@@ -116,6 +118,7 @@ CLIENTS = textwrap.dedent("""
         sent += len(clients)
         i += 1
         time.sleep(max(0.0, start + i / rate - time.monotonic()))
+    print("closing", flush=True)
     closing = [threading.Thread(target=c.close) for c in clients]  # as ranks end: together
     for t in closing:
         t.start()
@@ -266,18 +269,20 @@ def _panel_misses(panel: Any, job: JobState) -> list[int]:
 def _table(results: list[dict[str, Any]]) -> str:
     code = any("code" in r for r in results)  # --baseline: which nbdist ran each row
     rows = [
-        "| ranks |" + (" nbdist |" if code else "") + " driver CPU (% of a core) | idle "
-        "baseline | panel: renders, messages/s, KB/s | memory per rank (run / full logs) | "
-        "events sent / delivered / lost | rendezvous: plan / sends (driver CPU) / wall | "
-        "world sent |",
-        "| --- |" + (" --- |" if code else "") + " --- | --- | --- | --- | --- | --- | --- |",
+        "| ranks |" + (" nbdist |" if code else "") + " driver CPU while running (% of a "
+        "core) | run and end (% of a core) | the end (ms of CPU) | idle baseline | panel: "
+        "renders, messages/s, KB/s | memory per rank (run / full logs) | events sent / "
+        "delivered / lost | rendezvous: plan / sends (driver CPU) / wall | world sent |",
+        "| --- |" + (" --- |" if code else "") +
+        " --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         panel = (f"{r['panel_renders']}, {r['panel_messages_per_s']:.0f}, "
                  f"{r['panel_kb_per_s']:.1f}" if r.get("panel") else "no panel")
         rows.append(
             f"| {r['ranks']} |" + (f" {r.get('code', '')} |" if code else "") +
-            f" {r['driver_cpu_pct_of_one_core']:.2f} % | "
+            f" {r['driver_cpu_running_pct']:.2f} % | {r['driver_cpu_pct_of_one_core']:.2f} % | "
+            f"{r['end_cpu_ms']:.0f} | "
             f"{r['idle_baseline_cpu_pct']:.2f} % | {panel} | "
             f"{r['driver_memory_kb_per_rank']:.1f} KB / "
             f"{r['driver_memory_kb_per_rank_full_logs']:.0f} KB | {r['events_sent']} / "
@@ -341,16 +346,20 @@ def _sizes(args: argparse.Namespace) -> int:
 
 
 def _compare(results: list[dict[str, Any]]) -> str:
-    """Per size: the median driver CPU of the baseline's runs and of this nbdist's."""
-    rows = ["| ranks | driver CPU, baseline (median) | as shipped (median) | as shipped / "
-            "baseline | runs each |", "| --- | --- | --- | --- | --- |"]
+    """Per size and figure: the medians of the baseline's runs and of this nbdist's."""
+    rows = ["| ranks | figure | baseline (median) | as shipped (median) | as shipped / "
+            "baseline | runs each |", "| --- | --- | --- | --- | --- | --- |"]
+    figures = (("driver CPU while running", "driver_cpu_running_pct", "%"),
+               ("run and end", "driver_cpu_pct_of_one_core", "%"),
+               ("the end", "end_cpu_ms", "ms"))
     for ranks in dict.fromkeys(r["ranks"] for r in results):
-        cpu = {code: statistics.median(r["driver_cpu_pct_of_one_core"] for r in results
-                                       if r["ranks"] == ranks and r["code"] == code)
-               for code in dict.fromkeys(r["code"] for r in results)}
-        base, now = cpu[next(c for c in cpu if c.endswith("(baseline)"))], cpu["as shipped"]
-        runs = sum(r["ranks"] == ranks and r["code"] == "as shipped" for r in results)
-        rows.append(f"| {ranks} | {base:.2f} % | {now:.2f} % | {now / base:.2f}x | {runs} |")
+        mine = [r for r in results if r["ranks"] == ranks and r["code"] == "as shipped"]
+        base = [r for r in results if r["ranks"] == ranks and r["code"] != "as shipped"]
+        for name, key, unit in figures:
+            b = statistics.median(r[key] for r in base)
+            m = statistics.median(r[key] for r in mine)
+            rows.append(f"| {ranks} | {name} | {b:.2f} {unit} | {m:.2f} {unit} | "
+                        f"{m / b if b else float('nan'):.2f}x | {len(mine)} |")
     return "\n".join(rows)
 
 
@@ -414,12 +423,15 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
     cpu0, t0 = _cpu(me), time.monotonic()
     if drawer:
         drawer.start()
-    report = json.loads(clients.stdout.readline())
+    assert clients.stdout.readline().strip() == "closing"
+    running_wall, cpu_run = time.monotonic() - t0, _cpu(me)  # the ranks stop sending
+    report = json.loads(clients.stdout.readline())  # every rank has closed (the job's end)
     drawing.set()
     if drawer:
         drawer.join()
     wall = time.monotonic() - t0
-    busy_pct = 100 * (_cpu(me) - cpu0) / wall
+    cpu_end = _cpu(me)
+    busy_pct = 100 * (cpu_end - cpu0) / wall
     panel_figures: dict[str, Any] = {}
     if panel is not None and messages is not None:
         panel_figures = {
@@ -459,6 +471,8 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
         "events_sent": sent, "events_delivered": job_channel.received,
         "events_lost": report["dropped"], "ranks_with_stale_values": len(stale),
         "driver_cpu_pct_of_one_core": round(busy_pct, 2),
+        "driver_cpu_running_pct": round(100 * (cpu_run - cpu0) / running_wall, 2),
+        "end_cpu_ms": round(1000 * (cpu_end - cpu_run), 1),
         "idle_baseline_cpu_pct": round(idle_pct, 2),
         "driver_cpu_us_per_event_sent": round(10_000 * (busy_pct - idle_pct) /
                                               (ranks * args.rate), 2),
