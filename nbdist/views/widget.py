@@ -60,8 +60,10 @@ MESSAGES_PER_S = 200.0
 #: updates one to two times a second (its ranks write every 2.56 s, ``events``) and costs
 #: half a percent of a core, of the 2 % that the driver may spend on 1024 ranks.
 RENDER_SHARE = 0.005
-#: ... but never waits longer than this (a first render that builds many widgets costs more).
-MAX_RENDER_WAIT_S = 1.0
+#: ... but never waits longer than this (a first render that builds many widgets costs more;
+#: a render of 1024 ranks on a loaded machine 8-12 ms, and such a panel's ranks each write
+#: every 2.56 s, so waiting up to 2 s keeps it at its share without showing much less).
+MAX_RENDER_WAIT_S = 2.0
 #: Above this many ranks, rows collapse into a summary plus the ranks worth looking at, and
 #: every rank is listed by host in groups that start closed.
 MAX_ROWS = 16
