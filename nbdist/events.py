@@ -27,9 +27,10 @@ keeps its reads near ``MAX_WRITES_PER_S`` whatever the number of ranks: once mor
 connected than that allows at ``SEND_EVERY_S``, it tells every client (``{"t": "pace",
 "every": S}``) to write at most every ``S = connections / MAX_WRITES_PER_S`` seconds (a
 shorter ``S`` once closed connections settled, ``REPACE_AFTER_S``), and wakes up less often
-itself (``PACE_S``). So the channel trades latency for the driver's CPU only in
+itself (``PACE_S``). Above ``LARGE_FROM`` ranks it aims at fewer writes a second, 250 from
+1024 ranks on (``pace_for``). So the channel trades latency for the driver's CPU only in
 large jobs: with 4 ranks a line takes about 10 ms; with 256, a busy rank writes every
-0.64 s and a line after a quiet spell takes up to 0.1 s.
+0.64 s and a line after a quiet spell takes up to 0.1 s; with 1024, every 4.1 s.
 
 This module runs in the kernel; the rank's end is ``nbdist.rank.client``, what both ends agree
 on is ``nbdist.channel``.
@@ -93,8 +94,18 @@ READ_BYTES = 1 << 18
 PACE_S = 0.005
 MAX_PACE_S = 0.1
 #: Writes per second the server aims to read at most, from all its clients together (see the
-#: module docstring): about 1% of a core here, whatever the number of ranks.
+#: module docstring): about 1% of a core here for up to ``LARGE_FROM`` connections.
 MAX_WRITES_PER_S = 400
+#: Above ``LARGE_FROM`` connections it aims lower, down to ``LARGE_WRITES_PER_S`` at
+#: ``LARGE_JOB`` connections and beyond: there a write carries seconds of a rank's events, and
+#: folding them costs more than reading the write (1024 ranks at 400 writes a second took the
+#: driver 1.5-2 % of a core; ``bench_scale.py``).
+LARGE_FROM = 256
+LARGE_JOB = 1024
+LARGE_WRITES_PER_S = 250
+#: Longest interval the server asks for: two heartbeats, so that no rank looks silent (three,
+#: ``protocol.SILENT_AFTER_S``) because of its pace.
+MAX_EVERY_S = 10.0
 #: The pace told to clients changes only when it is off by more than this factor, so ranks
 #: connecting one by one cause a handful of broadcasts, not one per rank.
 _PACE_STEP = 1.25
@@ -532,7 +543,7 @@ class EventServer:
         """Tell every client a new write interval if the number of ranks moved it enough."""
         with self._lock:
             conns = list(self._conns.values())
-        every = max(SEND_EVERY_S, len(conns) / MAX_WRITES_PER_S)
+        every = pace_for(len(conns))
         if self._pace / _PACE_STEP <= every <= self._pace * _PACE_STEP:
             return False
         self._pace = every
@@ -547,6 +558,15 @@ class EventServer:
                 conn.sock.sendall(data)
         except OSError:
             pass  # the connection is going; its read will say so
+
+
+def pace_for(connections: int) -> float:
+    """The write interval (seconds) the server asks of each of ``connections`` clients."""
+    rate = float(MAX_WRITES_PER_S)
+    if connections > LARGE_FROM:
+        share = min(1.0, (connections - LARGE_FROM) / (LARGE_JOB - LARGE_FROM))
+        rate -= share * (MAX_WRITES_PER_S - LARGE_WRITES_PER_S)
+    return min(MAX_EVERY_S, max(SEND_EVERY_S, connections / rate))
 
 
 def _listen(bind: str, port: int) -> socket.socket:

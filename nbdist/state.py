@@ -153,7 +153,7 @@ class JobState:
     def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]]) -> None:
         """Fold the events of one rank's write, in order, as :meth:`apply` does each: under
         one hold of the lock and one reading of the clock (the driver of 1024 ranks folds
-        about 400 writes a second). An event that raises does not keep the others out; the
+        about 250 writes a second). An event that raises does not keep the others out; the
         first error is raised once all are in."""
         if not 0 <= rank < self.np:
             return

@@ -11,7 +11,7 @@ from typing import cast
 
 import pytest
 
-from nbdist import channel, events
+from nbdist import channel, events, state
 from nbdist.rank.client import EventClient
 
 from . import hostile
@@ -253,6 +253,17 @@ def test_the_server_paces_its_clients_by_how_many_are_connected(
         sock.close()
     assert paces(readers[0][1], 0.01) == pytest.approx([0.01])
     readers[0][1].close()
+
+
+def test_large_jobs_are_asked_for_fewer_writes_and_no_rank_for_a_silent_interval() -> None:
+    """Up to 256 ranks the server aims at 400 writes a second, at 1024 ranks and beyond at 250,
+    and never asks for an interval that would make a rank look silent."""
+    assert [events.pace_for(n) for n in (1, 4, 16, 256)] == pytest.approx(
+        [channel.SEND_EVERY_S, 0.01, 0.04, 0.64])
+    assert 512 / events.pace_for(512) == pytest.approx(350)
+    assert events.pace_for(1024) == pytest.approx(1024 / 250)
+    assert events.pace_for(2048) == pytest.approx(2048 / 250)
+    assert events.pace_for(100_000) == events.MAX_EVERY_S < state.SILENT_AFTER_S
 
 
 def _paced_client(server: events.EventServer) -> tuple[Recorder, EventClient]:
