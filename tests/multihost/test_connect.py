@@ -27,6 +27,10 @@ def test_a_connect_cell_over_two_hosts_trains_with_live_output(
     event server (nothing lost), at the address they were told for a Connect client."""
     kernel = mh_connect
     assert kernel.value("__import__('nbdist.launch.spark').launch.spark.is_connect(spark)")
+    # The driver's name resolves to 127.0.1.1 there: the ranks are told its eth0 address.
+    told = kernel.value("__import__('nbdist.launch.spark').launch.spark.SparkLauncher()"
+                        ".driver_address().advertise")
+    assert told == network["driver"].ip, told
     reply = _run_live(kernel, TRAIN.format(np=4, wait=gate.code(), keys=RANK_ENV), gate, 4)
     assert reply.error is None, reply.error
     assert "OutputLostWarning" not in reply.stderr, reply.stderr
