@@ -10,10 +10,20 @@ import re
 import pytest
 
 from ..helpers import Gate
-from .helpers import ranks_gone
+from .helpers import WORKERS, ranks_gone
 from .hosts import Network
 from .kernel import Kernel
-from .test_cluster import RAISES, RANK_ENV, TRAIN, WAIT_UP, _check_world, _lines, _run_live
+from .test_cluster import (
+    LOCAL_CODE,
+    RAISES,
+    RANK_ENV,
+    TRAIN,
+    USES_LOCAL_CODE,
+    WAIT_UP,
+    _check_world,
+    _lines,
+    _run_live,
+)
 
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.slow,
               pytest.mark.timeout(600)]
@@ -36,6 +46,23 @@ def test_a_connect_cell_over_two_hosts_trains_with_live_output(
     assert "OutputLostWarning" not in reply.stderr, reply.stderr
     by_host = _check_world(kernel.value("envs"), 4, network)
     assert sorted(map(len, by_host.values())) == [2, 2]
+    (detail,) = kernel.value("[c.detail for b, c in __import__('nbdist.launch.backends')"
+                             ".launch.backends.capacities() if b == 'spark']")
+    assert "2 executors, 4 cores" in detail and "estimated from the configuration" in detail, \
+        detail
+
+
+def test_the_notebooks_modules_reach_connect_ranks_on_hosts_that_lack_its_folder(
+    mh_connect: Kernel,
+) -> None:
+    """On Connect, a module and a package in a folder only the driver's host has are imported
+    by 4 ranks on the two workers from the copy shipped with the payload."""
+    mh_connect.execute(LOCAL_CODE)
+    mh_connect.execute(USES_LOCAL_CODE, timeout=300)
+    got = mh_connect.value("got")
+    assert [g[0] for g in got] == [7] * 4
+    assert not any(g[1] for g in got), got  # the folder really is missing there
+    assert len({g[2] for g in got}) == 2 and {g[2] for g in got} <= set(WORKERS), got
 
 
 def test_a_rank_raising_on_another_host_fails_the_connect_job(
