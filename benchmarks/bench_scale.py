@@ -7,7 +7,8 @@ process: cheap ranks (no rank processes), but each talks through the supervisor'
 second (an output batch, a progress update and a metrics update in turn, a heartbeat every
 ``HEARTBEAT_S``, and a resources sample every ``resources.SAMPLE_S`` as a supervisor sends,
 unless ``--no-resources``) for ``--seconds``. Measured in the driver process, which runs only
-the server and a real ``JobState``: CPU time per second of wall time (as % of one core)
+the server, a real ``JobState`` and the ranks' log files (``nbdist.logfiles``, written as a
+job writes them): CPU time per second of wall time (as % of one core)
 while the ranks send, and over the run and the job's end together (every rank closing at once:
 its CPU is also given alone, in ms, as a job pays it once), against the same process idle for
 the same time (the baseline), and resident memory per rank,
@@ -61,7 +62,7 @@ from typing import Any
 import psutil
 
 import nbdist
-from nbdist import channel, events
+from nbdist import channel, events, logfiles
 from nbdist.state import LOG_LINES, JobState
 from nbdist.world import Hello, plan_world
 
@@ -131,12 +132,15 @@ CLIENTS = textwrap.dedent("""
 
 
 class Channel:
-    """The job's side of the channel, as ``nbdist.job.Job`` has it: events go to the state,
-    and the rendezvous once every rank said hello (``Job.on_connect``)."""
+    """The job's side of the channel, as ``nbdist.job.Job`` has it: events go to the state
+    and output also to the ranks' log files, and the rendezvous once every rank said hello
+    (``Job.on_connect``)."""
 
-    def __init__(self, job: JobState, server: events.EventServer) -> None:
+    def __init__(self, job: JobState, server: events.EventServer,
+                 logs: logfiles.RankLogs) -> None:
         self.job = job
         self.server = server
+        self.logs = logs
         self.received = 0
         self.gone = threading.Semaphore(0)  # released once per closed connection
         self.hellos: dict[int, Hello] = {}
@@ -164,12 +168,17 @@ class Channel:
 
     def on_event(self, rank: int, event: dict[str, object]) -> None:
         self.received += 1
+        if event.get("t") == "out" and isinstance(text := event.get("text"), str):
+            self.logs.write(rank, text)
         self.job.apply(rank, event)
 
     def on_events(self, rank: int, events: list[dict[str, object]]) -> None:
         # A write's events at once, as ``Job.on_events`` folds them (before issue 30: one
         # ``on_event`` each, which a --baseline's server still calls).
         self.received += len(events)
+        for event in events:
+            if event.get("t") == "out" and isinstance(text := event.get("text"), str):
+                self.logs.write(rank, text)
         self.job.apply_many(rank, events)
 
     def on_disconnect(self, rank: int) -> None:
@@ -392,7 +401,9 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
     server = events.EventServer("127.0.0.1")
     rss_empty = me.memory_info().rss
     job = JobState("bench", "local", ranks)
-    job_channel = Channel(job, server)
+    log_dir = tempfile.TemporaryDirectory(prefix="nbdist-bench-scale-")
+    logs = logfiles.RankLogs(log_dir.name)  # a job writes every line to its rank's file
+    job_channel = Channel(job, server, logs)
     secret = channel.new_secret()
     server.add_job("bench", secret, job_channel)
 
@@ -453,6 +464,8 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
         panel_figures["panel_misses"] = len(_panel_misses(panel, job))
     rss_busy = me.memory_info().rss
     server.close()
+    logs.close()
+    log_dir.cleanup()
     # Coalescing may skip superseded progress updates, never the newest value of anything.
     stale = [r for r, last in enumerate(report["last"])
              if (not args.metrics
