@@ -10,7 +10,8 @@ unless ``--no-resources``) for ``--seconds``. Measured in the driver process, wh
 the server, a real ``JobState`` and the ranks' log files (``nbdist.logfiles``, written as a
 job writes them): CPU time per second of wall time (as % of one core)
 while the ranks send, and over the run and the job's end together (every rank closing at once:
-its CPU is also given alone, in ms, as a job pays it once), against the same process idle for
+its CPU is also given alone, in ms, as a job pays it once), the job's start alone (from the
+rendezvous to every rank's first line in, its log file opened), against the same process idle for
 the same time (the baseline), and resident memory per rank,
 during the run and once every rank's log ring is full. The newest progress and metrics of
 every rank must be in the state at the end (coalescing may only skip superseded updates), and
@@ -95,6 +96,8 @@ CLIENTS = textwrap.dedent("""
         clients = list(pool.map(connect, range(ranks)))
     for _ in range(ranks):
         world.acquire(timeout=60)
+    for r, c in enumerate(clients):  # a rank's first line, as it starts (its log file opens)
+        c.send({"t": "out", "s": "o", "text": f"rank {r} starts\\n"})
     kinds = [
         lambda i: {"t": "out", "s": "o", "text": f"step {i} loss 0.123\\n"},
         lambda i: {"t": "progress", "id": 1, "n": i, "total": 1000, "desc": "train"},
@@ -148,6 +151,7 @@ class Channel:
         self.plan_cpu_s = 0.0
         self.send_cpu_s = 0.0
         self.world_bytes = 0
+        self.world_cpu_s = 0.0
 
     def on_connect(self, rank: int, hello: dict[str, object]) -> None:
         h = Hello.from_event(rank, hello)
@@ -165,6 +169,7 @@ class Channel:
             self.world_bytes += len(channel.encode(message))
             self.server.send("bench", rank_, message)
         self.plan_cpu_s, self.send_cpu_s = t1 - t0, time.thread_time() - t1
+        self.world_cpu_s = _cpu(None)  # the driver's CPU once every rank has its world
 
     def on_event(self, rank: int, event: dict[str, object]) -> None:
         self.received += 1
@@ -214,7 +219,7 @@ class _Charts:
                 "chart_ms_per_redraw": 1000 * self.seconds / n}
 
 
-def _cpu(me: psutil.Process) -> float:
+def _cpu(me: psutil.Process | None) -> float:
     """CPU seconds of this process. ``cpu_times`` counts in clock ticks (10 ms, 0.05 % of a
     20 s run); Linux's scheduler statistics count nanoseconds of each thread."""
     try:
@@ -224,7 +229,7 @@ def _cpu(me: psutil.Process) -> float:
                 total += int(f.read().split()[0])
         return total / 1e9
     except (OSError, ValueError, IndexError):
-        t = me.cpu_times()
+        t = (me or psutil.Process()).cpu_times()
         return float(t.user + t.system)
 
 
@@ -279,9 +284,9 @@ def _table(results: list[dict[str, Any]]) -> str:
     code = any("code" in r for r in results)  # --baseline: which nbdist ran each row
     rows = [
         "| ranks |" + (" nbdist |" if code else "") + " driver CPU while running (% of a "
-        "core) | run and end (% of a core) | the end (ms of CPU) | idle baseline | panel: "
-        "renders, messages/s, KB/s | memory per rank (run / full logs) | events sent / "
-        "delivered / lost | rendezvous: plan / sends (driver CPU) / wall | world sent |",
+        "core) | run and end (% of a core) | the start / the end (ms of CPU) | idle baseline "
+        "| panel: renders, messages/s, KB/s | memory per rank (run / full logs) | events sent "
+        "/ delivered / lost | rendezvous: plan / sends (driver CPU) / wall | world sent |",
         "| --- |" + (" --- |" if code else "") +
         " --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -291,7 +296,7 @@ def _table(results: list[dict[str, Any]]) -> str:
         rows.append(
             f"| {r['ranks']} |" + (f" {r.get('code', '')} |" if code else "") +
             f" {r['driver_cpu_running_pct']:.2f} % | {r['driver_cpu_pct_of_one_core']:.2f} % | "
-            f"{r['end_cpu_ms']:.0f} | "
+            f"{r.get('start_cpu_ms', 0):.0f} / {r['end_cpu_ms']:.0f} | "
             f"{r['idle_baseline_cpu_pct']:.2f} % | {panel} | "
             f"{r['driver_memory_kb_per_rank']:.1f} KB / "
             f"{r['driver_memory_kb_per_rank_full_logs']:.0f} KB | {r['events_sent']} / "
@@ -360,7 +365,7 @@ def _compare(results: list[dict[str, Any]]) -> str:
             "baseline | runs each |", "| --- | --- | --- | --- | --- | --- |"]
     figures = (("driver CPU while running", "driver_cpu_running_pct", "%"),
                ("run and end", "driver_cpu_pct_of_one_core", "%"),
-               ("the end", "end_cpu_ms", "ms"))
+               ("the start", "start_cpu_ms", "ms"), ("the end", "end_cpu_ms", "ms"))
     for ranks in dict.fromkeys(r["ranks"] for r in results):
         mine = [r for r in results if r["ranks"] == ranks and r["code"] == "as shipped"]
         base = [r for r in results if r["ranks"] == ranks and r["code"] != "as shipped"]
@@ -426,12 +431,17 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
     )
     assert clients.stdout is not None
     assert clients.stdout.readline().strip() == "connected"
+    # The job's start: every rank's first line in (its log file opened) before the measure.
+    deadline = time.monotonic() + 60
+    while any(r.lines == 0 for r in job.ranks) and time.monotonic() < deadline:
+        time.sleep(0.01)
     drawing = threading.Event()
     view = _Charts(job) if args.charts else None
     drawer = threading.Thread(target=view.run, args=(drawing,)) if view else None
     sent0 = (messages.count, messages.bytes) if messages else (0, 0)
     renders0 = panel.renders if panel else 0
     cpu0, t0 = _cpu(me), time.monotonic()
+    start_cpu_ms = 1000 * (cpu0 - job_channel.world_cpu_s)
     if drawer:
         drawer.start()
     assert clients.stdout.readline().strip() == "closing"
@@ -486,6 +496,7 @@ def main() -> int:  # noqa: C901 - one measurement read top to bottom, its steps
         "driver_cpu_pct_of_one_core": round(busy_pct, 2),
         "driver_cpu_running_pct": round(100 * (cpu_run - cpu0) / running_wall, 2),
         "end_cpu_ms": round(1000 * (cpu_end - cpu_run), 1),
+        "start_cpu_ms": round(start_cpu_ms, 1),
         "idle_baseline_cpu_pct": round(idle_pct, 2),
         "driver_cpu_us_per_event_sent": round(10_000 * (busy_pct - idle_pct) /
                                               (ranks * args.rate), 2),
