@@ -249,6 +249,12 @@ def test_a_cell_that_closes_the_ranks_stdout_and_stderr_does_not_break_the_next(
     assert live.alive
 
 
+def test_a_cells_end_carries_each_ranks_memory(ip: Any, live: sessions.Session) -> None:
+    """Once a cell is over, the session knows each rank's memory with what the cell left."""
+    run(ip, "%%distributed\nblob = b'x' * (100 * 1024 * 1024)")
+    assert sorted(live.rss) == [0, 1] and min(live.rss.values()) > 100e6
+
+
 def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:
     """%dist_push sends a notebook value to every rank; %dist_pull brings one back."""
     run(ip, "weights = {'w': [1.0, 2.0]}")

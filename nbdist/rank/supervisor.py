@@ -727,10 +727,9 @@ class Supervisor:
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
-        with the rank and would count them twice)."""
-        rp = self._rp
-        pid = self._rank_pid or (rp.pid if rp is not None else None)
-        return _rss(pid) if pid is not None else None
+        with the rank and would count them twice), as ``Sampler.rss_now`` measures it."""
+        sampler = self._sampler
+        return sampler.rss_now() if sampler is not None else None
 
     def _pump(self, pipe: Any, stream: Literal["o", "e"]) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -872,17 +871,6 @@ def _reserve_port() -> socket.socket | None:
             continue
         return sock
     return None  # no TF_CONFIG for this job, which only TensorFlow's own jobs would miss
-
-
-def _rss(pid: int) -> int | None:
-    """Resident memory of the rank and its children, in bytes (shown by ``%dist_session``)."""
-    try:
-        import psutil
-
-        proc = psutil.Process(pid)
-        return int(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]))
-    except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
-        return None
 
 
 def _descendants(pid: int) -> list[Any]:
