@@ -175,7 +175,9 @@ class Sampler:
         # would cost one Process object kept per descendant.
         self._cpu: dict[tuple[int, float], float] = {}
         self._last = 0.0
-        #: The rank's descendants at the last sample (``rss_now``); replaced whole, never edited.
+        #: The rank's process and its descendants at the last sample (``rss_now``); replaced
+        #: whole, never edited.
+        self._root: Any = None
         self._children: tuple[Any, ...] = ()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbdist-resources")
 
@@ -216,7 +218,7 @@ class Sampler:
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:  # the rank is gone
             return {}
-        self._children = tuple(procs[1:])
+        self._root, self._children = root, tuple(procs[1:])
         rss = 0
         cpu: dict[tuple[int, float], float] = {}
         used = 0.0
@@ -261,11 +263,14 @@ class Sampler:
             import psutil
         except ImportError:  # a rank's host without psutil sends no memory
             return None
+        root, children = self._root, self._children
         try:
-            rss = int(psutil.Process(pid).memory_info().rss)
+            if root is None or root.pid != pid:
+                root, children = psutil.Process(pid), ()
+            rss = int(root.memory_info().rss)
         except psutil.Error:  # the rank is gone
             return None
-        for p in self._children:
+        for p in children:
             try:
                 if p.is_running():  # not a new process under a reused pid
                     rss += p.memory_info().rss
