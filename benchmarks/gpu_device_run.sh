@@ -19,6 +19,9 @@
 # arguments for pytest), TESTS_TIMEOUT_S / BENCH_TIMEOUT_S (default 200 / 330 seconds: the two
 # fit one 600 s command of a lent machine; the benchmark writes gpu.md and gpu.json after each
 # scenario, so a run cut short keeps what it measured; `BENCH_ARGS="--only 3,4"` runs a part).
+# NO_BENCH_GPU=1 skips bench_gpu.py. CPU_BENCHES=1 also runs, on that machine's many cores,
+# `bench_session.py --only-trivial` and `bench_scale.py --ranks 64,256,1024 --seconds 10`
+# (CPU_BENCH_TIMEOUT_S each, default 120 s) into session.txt and scale.txt.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 
@@ -68,8 +71,18 @@ timeout "${TESTS_TIMEOUT_S:-200}" $PY -m pytest -m gpu tests/gpu -v -p no:cachep
 tests=$?
 tail -n 15 "$OUT/pytest.txt"
 
-timeout "${BENCH_TIMEOUT_S:-330}" $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---reps 3} \
-    --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
-echo $? > "$OUT/bench_gpu.rc"
-tail -n 60 "$OUT/bench_gpu.txt"
+if [ -z "${NO_BENCH_GPU:-}" ]; then
+    timeout "${BENCH_TIMEOUT_S:-330}" $PY benchmarks/bench_gpu.py ${BENCH_ARGS:---reps 3} \
+        --out "$OUT" > "$OUT/bench_gpu.txt" 2>&1
+    echo $? > "$OUT/bench_gpu.rc"
+    tail -n 60 "$OUT/bench_gpu.txt"
+fi
+if [ -n "${CPU_BENCHES:-}" ]; then
+    nproc > "$OUT/cpu.txt"; uptime >> "$OUT/cpu.txt"
+    timeout "${CPU_BENCH_TIMEOUT_S:-120}" $PY benchmarks/bench_session.py --only-trivial \
+        > "$OUT/session.txt" 2>&1
+    timeout "${CPU_BENCH_TIMEOUT_S:-120}" $PY benchmarks/bench_scale.py --ranks 64,256,1024 \
+        --seconds 10 > "$OUT/scale.txt" 2>&1
+    tail -n 12 "$OUT/session.txt" "$OUT/scale.txt"
+fi
 exit $tests
