@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal, Protocol
 
@@ -330,7 +330,7 @@ class Supervisor:
         self._oom = OomWatch()  # the rank's memory cgroups, to tell an OOM kill when it dies
         self._sampler: Sampler | None = None
         #: What the rank runs: all that differs between a job's rank and a session's.
-        self._work: RankWork = (SessionCells(spec.secret, self._send, self._rank_rss)
+        self._work: RankWork = (SessionCells(spec.secret, self._send_all, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
@@ -380,17 +380,22 @@ class Supervisor:
         return self._rank_pid or (rp.pid if rp is not None else None)
 
     def _send(self, event: RankEvent) -> None:
+        self._send_all((event,))
+
+    def _send_all(self, events: Sequence[RankEvent]) -> None:
+        """Send ``events`` together (one write); count what is lost."""
         client = self._client
-        if client is not None and client.send(event):
+        if client is not None and client.send_all(events):
             return
         # Lost: without a channel, or the channel broke. Counted, so the driver can say so.
-        kind = event.get("t")
         with self._lock:  # the pumps, the control reader and the heartbeat all send
-            if kind == "out":
-                # Whole lines, as the driver counts them (a "\r" redraw of a bar is not one).
-                self._lost_lines += str(event.get("text", "")).count("\n")
-            elif kind not in ("hb", "state", "res", "marks"):  # bookkeeping is no loss
-                self._dropped += 1
+            for event in events:
+                kind = event.get("t")
+                if kind == "out":
+                    # Whole lines, as the driver counts them (a "\r" redraw of a bar is not one).
+                    self._lost_lines += str(event.get("text", "")).count("\n")
+                elif kind not in ("hb", "state", "res", "marks"):  # bookkeeping is no loss
+                    self._dropped += 1
 
     # -- life -----------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
