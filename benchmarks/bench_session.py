@@ -3,11 +3,11 @@
 1. A trivial cell on a live 4-rank local session, from the cell's start (capture included) to
    its result in the notebook, against the same cell as a fresh ``-np 4`` job (cold: no warm
    interpreters) in the same run. Goal from issue 8: median under 100 ms. Issue 30: under
-   10 ms on 4 ranks and 20 ms on 16 (``--np 4,16``), against the same session with a cell's
-   end paced like any event (before issue 30: ``channel.PROMPT`` empty), interleaved; with
-   ``--against DIR``, also against the nbdist of another checkout (``DIR``: the repository's
-   root, e.g. ``git archive c1086ad | tar -x -C /tmp/before``), whose session runs in a second
-   process with the same measuring code, cell by cell in turn with this one's.
+   10 ms on 4 ranks and 20 ms on 16 (``--np 4,16``), against a baseline: the same session
+   with a cell's end paced like any event (before issue 30: ``channel.PROMPT`` empty) or,
+   with ``--against DIR``, the nbdist of another checkout (``DIR``: the repository's root,
+   e.g. ``git archive c1086ad | tar -x -C /tmp/before``). Each session runs in a process of
+   its own with the same measuring code, cell by cell in turn.
 2. A training cell (DDP, ``STEPS`` steps, a print and a tqdm bar each) run again on a live
    2-rank session whose first cell built the model and the process group, against the whole
    cell launched fresh. Reported: time to the first step's output line at the driver (the
@@ -104,9 +104,10 @@ def _timed(job: jobs.Handle, start: float) -> tuple[float, float]:
     return (first if first is not None else total), total
 
 
-def serve(np_: int) -> int:
+def serve(np_: int, old_pace: bool) -> int:
     """``--serve NP``: a live session of ``np_`` ranks that runs the trivial cell once for each
-    ``go`` line on stdin and answers its seconds (another checkout's nbdist: ``--against``)."""
+    ``go`` line on stdin and answers its seconds (``old_pace``: a cell's end paced)."""
+    paced(old_pace)
     live = sessions.start(-np_)
     try:
         live.wait_ready(120)
@@ -120,20 +121,25 @@ def serve(np_: int) -> int:
     return 0
 
 
-class Against:
-    """A session of another checkout's nbdist in a second process (``serve``)."""
+class Served:
+    """A live session in a process of its own (``serve``), of this checkout's nbdist or of
+    the one at ``root``: every contender of scenario 1b runs so, none in the process that
+    orchestrates (which also runs the cold jobs), so that they are measured alike."""
 
-    def __init__(self, root: Path, np_: int) -> None:
-        if not (root / "nbdist" / "__init__.py").is_file():
+    def __init__(self, np_: int, root: Path | None = None, old_pace: bool = False) -> None:
+        if root is not None and not (root / "nbdist" / "__init__.py").is_file():
             raise SystemExit(f"--against {root}: no nbdist/__init__.py there; give the root "
                              f"of a checkout (git archive REV | tar -x -C DIR)")
+        # Alike but for the nbdist they import: the same working directory (the notebook's
+        # folder, which a cell's capture looks through) and the checkout first on the path.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(np_)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+            [str(root or ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        argv = [sys.executable, __file__, "--serve", str(np_)]
+        self.proc = subprocess.Popen(argv + (["--old-pace"] if old_pace else []),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=ROOT)
         if self._answer() != "ready":
-            raise SystemExit(f"--against {root}: its session did not start")
+            raise SystemExit(f"the session of {root or ROOT} did not start")
 
     def _answer(self) -> str:
         assert self.proc.stdout is not None
@@ -146,48 +152,51 @@ class Against:
         return float(self._answer())
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
+        assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.close()
         self.proc.wait(60)
-        assert self.proc.stdout is not None
         self.proc.stdout.close()
 
 
-#: np -> the trivial cell's seconds: (paced, as shipped, on ``--against``'s nbdist)
-Sized = dict[int, tuple[list[float], list[float], list[float]]]
+#: np -> the trivial cell's seconds: (the baseline, as shipped)
+Sized = dict[int, tuple[list[float], list[float]]]
 
 
 def trivial_cells(sizes: list[int], reps: int, against: Path | None
                   ) -> tuple[Sized, list[float], list[float]]:
-    """Scenarios 1 and 1b: (the sessions' cells, the fresh 4-rank jobs', the load averages)."""
+    """Scenarios 1 and 1b: (the sessions' cells, the fresh 4-rank jobs', the load averages).
+
+    The baseline: the session of ``against``'s nbdist, or (without it) this nbdist with a
+    cell's end paced like any event. Each round runs one cell on each, in turn, the first
+    one alternating."""
     trivial_fresh: list[float] = []
     sized: Sized = {}
     loads: list[float] = []
     for np_ in sizes:
-        other = Against(against.resolve(), np_) if against else None
-        live = sessions.start(-np_)
-        before: list[float] = []
-        now: list[float] = []
-        theirs: list[float] = []
+        base = Served(np_, against.resolve()) if against else Served(np_, old_pace=True)
         try:
-            live.wait_ready(120)
+            now = Served(np_)
+        except BaseException:
+            base.close()
+            raise
+        before: list[float] = []
+        after: list[float] = []
+        try:
             for i in range(reps):
-                paced(True)
-                before.append(on_session(live, TRIVIAL)[1])
-                paced(False)
-                now.append(on_session(live, TRIVIAL)[1])
-                if other is not None:
-                    theirs.append(other.cell())
+                if i % 2:
+                    after.append(now.cell())
+                    before.append(base.cell())
+                else:
+                    before.append(base.cell())
+                    after.append(now.cell())
                 if np_ == 4 and i % 8 == 0:  # a cold launch costs seconds: fewer, interleaved
                     trivial_fresh.append(fresh(TRIVIAL, 4)[1])
                 if i % 8 == 0:
                     loads.append(os.getloadavg()[0])
         finally:
-            paced(False)
-            live.stop()
-            if other is not None:
-                other.close()
-        sized[np_] = (before, now, theirs)
+            base.close()
+            now.close()
+        sized[np_] = (before, after)
     return sized, trivial_fresh, loads
 
 
@@ -203,9 +212,10 @@ def main() -> int:
     parser.add_argument("--against", type=Path, metavar="DIR",
                         help="also run the trivial cell on the nbdist of this checkout")
     parser.add_argument("--serve", type=int, metavar="NP", help=argparse.SUPPRESS)
+    parser.add_argument("--old-pace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve)
+        return serve(args.serve, args.old_pace)
     reps_trivial, reps_train = (10, 2) if args.quick else (40, 5)
 
     sized, trivial_fresh, loads = trivial_cells(
@@ -245,19 +255,13 @@ def main() -> int:
             ("", "live session", median_ms(trivial_session),
              ratio(trivial_session, trivial_fresh), len(trivial_session)),
         ]
-    for np_, (before, now, theirs) in sized.items():
-        base = theirs or before
-        label = f"1b. trivial cell, live {np_}-rank session"
-        if theirs:
-            rows.append((label, f"nbdist of {args.against} (baseline)", median_ms(theirs),
-                         "1.000×", len(theirs)))
-            label = ""
+    for np_, (before, now) in sized.items():
+        baseline = (f"nbdist of {args.against}" if args.against else
+                    "a cell's end paced like any event (before issue 30)")
         rows += [
-            (label, "a cell's end paced like any event (before issue 30"
-             + ("" if theirs else "; baseline") + ")", median_ms(before), ratio(before, base),
-             len(before)),
-            ("", "a cell's end unpaced (as shipped)", median_ms(now), ratio(now, base),
-             len(now)),
+            (f"1b. trivial cell, live {np_}-rank session", f"{baseline} (baseline)",
+             median_ms(before), "1.000×", len(before)),
+            ("", "this nbdist (as shipped)", median_ms(now), ratio(now, before), len(now)),
         ]
     rows += [
         (f"2. DDP training, {STEPS} steps, 2 ranks: start (first line)",
@@ -292,8 +296,7 @@ def main() -> int:
     (out / "session.md").write_text(text)
     samples: dict[str, Any] = {
         "trivial_session": trivial_session, "trivial_fresh": trivial_fresh,
-        "sized": {str(k): {"paced": v[0], "unpaced": v[1], "against": v[2]}
-                  for k, v in sized.items()},
+        "sized": {str(k): {"baseline": v[0], "as shipped": v[1]} for k, v in sized.items()},
         "against": str(args.against or ""), "loads": loads,
         "start_session": start_session, "start_fresh": start_fresh,
         "total_session": total_session, "total_fresh": total_fresh,

@@ -98,7 +98,11 @@ class EventClient:
         self._writing = False  # a thread is writing a batch (one at a time, in order)
         self._closing = False
         self._every = SEND_EVERY_S  # the server may ask for a longer interval (``pace``)
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the sender thread waits here for work
+        #: Senders wait here for room in the queue: apart, so that taking a batch, which
+        #: makes room, does not wake the sender thread too (at every cell's end).
+        self._room = threading.Condition(lock)
         self.alive = True
         #: When the driver last said anything (``time.monotonic()``): a driver that keeps the
         #: ranks alive pings them (``{"t": "ping"}``), so a long silence means it is gone even
@@ -134,7 +138,7 @@ class EventClient:
                 size += memoryview(data).nbytes
         with self._cond:
             while self._pending_bytes > MAX_PENDING_BYTES and self.alive:
-                self._cond.wait()  # the driver is behind: wait rather than pile up
+                self._room.wait()  # the driver is behind: wait rather than pile up
             if not self.alive:
                 self.dropped += len(events)
                 return False
@@ -168,7 +172,7 @@ class EventClient:
         batch, self._pending = self._pending, []
         self._pending_bytes, self._urgent, self._prompt = 0, False, False
         self._writing = True
-        self._cond.notify_all()  # those waiting for room in the queue
+        self._room.notify_all()
         return batch
 
     def _write(self, batch: list[Event]) -> None:
@@ -184,6 +188,7 @@ class EventClient:
             if failed:
                 self.alive = False
                 self.dropped += len(batch)
+                self._room.notify_all()
             self._writing = False
             self._last = time.monotonic()
             if self._pending or self._closing or not self.alive:
@@ -241,6 +246,7 @@ class EventClient:
         with self._cond:
             self.alive = False
             self._cond.notify_all()
+            self._room.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then disconnect once the driver has read it all.
@@ -257,6 +263,7 @@ class EventClient:
         with self._cond:
             self.alive = False
             self._cond.notify_all()
+            self._room.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_WR)  # the end of our writes, after the last one
         except OSError:
