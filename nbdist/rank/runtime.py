@@ -447,15 +447,28 @@ def _imported_since(before: set[str]) -> list[str]:
     Only packages of the installation (``is_installed``) qualify: the user's own modules may be
     edited before the next run, and a warm interpreter would hold the old code.
     """
-    dirs = installation_dirs()
+    dirs: list[str] | None = None
     names = []
     for name in {n.partition(".")[0] for n in set(sys.modules) - before}:
         if not name or name.startswith("_") or name == "__main__":
             continue
         path = getattr(sys.modules.get(name), "__file__", None)
-        if isinstance(path, str) and is_installed(path, dirs):
+        if not isinstance(path, str):
+            continue
+        installed = _installed.get(path)
+        if installed is None:
+            if dirs is None:
+                dirs = installation_dirs()
+            installed = _installed[path] = is_installed(path, dirs)
+        if installed:
             names.append(name)
     return sorted(names)
+
+
+#: A module's file → whether it is installed (``_imported_since``): a session's rank asks
+#: after every cell, and following the symlinks of each path (``realpath``) took about half of
+#: what a trivial cell cost its rank.
+_installed: dict[str, bool] = {}
 
 
 _SITE_NAMES = ("site-packages", "dist-packages")
