@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 
 from nbdist import channel, events
-from nbdist.rank.client import EventClient
+from nbdist.rank.client import LAZY_S, EventClient
 
 from . import hostile
 from .helpers import wait_for
@@ -262,6 +262,27 @@ def test_the_end_of_a_session_cell_goes_at_once_whatever_the_pace(
     client.send({"t": "cell_result", "cell": 1, "mac": "m", "type": "int"})
     wait_for(lambda: len(rec.events) == 3, 20, "the cell's end, well before the 30 s pace")
     assert [e["t"] for _, e in rec.events] == ["out", "out", "cell_result"]
+    client.close()
+
+
+def test_a_lazy_event_waits_for_the_next_write_and_is_never_merged(
+    server: events.EventServer,
+) -> None:
+    """An event sent lazily (a session rank's "running") goes with the next event that must
+    go (a cell's end), or on its own after ``LAZY_S``; two of them both arrive."""
+    rec, secret = Recorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    wait_for(lambda: rec.connected, 10, "the hello")
+    client.send_all([{"t": "state", "state": "running"}], lazy=True)
+    client.send_all([{"t": "state", "state": "running"}], lazy=True)
+    client.send({"t": "cell_result", "cell": 1})
+    wait_for(lambda: len(rec.events) == 3, 10, "the cell's end, with what waited")
+    assert [e["t"] for _, e in rec.events] == ["state", "state", "cell_result"]
+    started = time.monotonic()
+    client.send_all([{"t": "state", "state": "running"}], lazy=True)
+    wait_for(lambda: len(rec.events) == 4, 10, "the lazy event on its own")
+    assert time.monotonic() - started >= LAZY_S * 0.9  # it waited its turn
     client.close()
 
 

@@ -50,6 +50,11 @@ class RankWork(Protocol):
     ends_with_driver: bool
     #: The driver said ``quit``: the rank's exit with code 0 is its normal end.
     quitting: bool
+    #: The rank's "running" may wait for the next write to the driver (``LAZY_S`` at most)
+    #: instead of a write of its own: a session's cells are mostly over within milliseconds,
+    #: and their end then carries it. Written alone, it woke the kernel's event server, which
+    #: then paused (``events.PACE_S``, longer with many ranks) while the cells' ends came in.
+    lazy_start: bool
 
     def begin(self, rank: _Interpreter, env: bytes) -> None:
         """Give the new interpreter its environment frame, and its code if it has it now."""
@@ -81,6 +86,7 @@ class JobWork:
     needs_channel = False
     ends_with_driver = False
     quitting = False
+    lazy_start = False
 
     def __init__(self, payload: bytes) -> None:
         self._payload = payload
@@ -114,6 +120,7 @@ class SessionCells:
 
     needs_channel = True
     ends_with_driver = True
+    lazy_start = True
 
     def __init__(self, secret: str, send: Callable[[Sequence[RankEvent]], None],
                  rss: Callable[[], int | None]) -> None:

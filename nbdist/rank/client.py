@@ -122,8 +122,11 @@ class EventClient:
         """
         return self.send_all((event,))
 
-    def send_all(self, events: Sequence[Mapping[str, Any]]) -> bool:
+    def send_all(self, events: Sequence[Mapping[str, Any]], lazy: bool = False) -> bool:
         """Queue ``events`` together, as ``send`` does each: one write carries them all.
+
+        ``lazy``: they may wait (``LAZY_S`` at most) for something else to go with, as
+        progress does, but are never merged with other events.
 
         An event that ends a session cell (``PROMPT``) is written at once by the calling
         thread, with what was queued before it, unless a write is under way (the sender
@@ -151,6 +154,8 @@ class EventClient:
                 kind = event.get("t")
                 if kind in _LAZY:
                     _merge(self._pending, event)
+                elif lazy:
+                    self._pending.append(event)
                 else:
                     if kind != "out" or not _append_output(self._pending, event):
                         self._pending.append(event)

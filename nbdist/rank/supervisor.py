@@ -379,13 +379,14 @@ class Supervisor:
         rp = self._rp
         return self._rank_pid or (rp.pid if rp is not None else None)
 
-    def _send(self, event: RankEvent) -> None:
-        self._send_all((event,))
+    def _send(self, event: RankEvent, lazy: bool = False) -> None:
+        self._send_all((event,), lazy)
 
-    def _send_all(self, events: Sequence[RankEvent]) -> None:
-        """Send ``events`` together (one write); count what is lost."""
+    def _send_all(self, events: Sequence[RankEvent], lazy: bool = False) -> None:
+        """Send ``events`` together (one write); count what is lost. ``lazy``: they may wait
+        for other events to go with (``EventClient.send_all``)."""
         client = self._client
-        if client is not None and client.send_all(events):
+        if client is not None and client.send_all(events, lazy):
             return
         # Lost: without a channel, or the channel broke. Counted, so the driver can say so.
         with self._lock:  # the pumps, the control reader and the heartbeat all send
@@ -680,8 +681,9 @@ class Supervisor:
                     self._work.value(event, self._result_type)
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
-                else:
-                    self._send(event)  # the interpreter's: progress, metrics, its state
+                else:  # the interpreter's: progress, metrics, its state
+                    self._send(event, self._work.lazy_start and event.get("t") == "state"
+                               and event.get("state") == "running")
             elif kind == Frame.PIECE:
                 self._work.piece(body)
                 rp.piece_done()
