@@ -224,7 +224,8 @@ class Session:
                 own = common if per_rank is None else {**common, **per_rank(rank)}
                 body = base64.b64encode(_pickling.dumps(own)).decode()
                 message = {"t": "cell", "id": self._cell_ids, "payload": body}
-            if not self.job.send(rank, message):
+            # Direct: a local rank's supervisor takes it in this thread (``Launcher.deliver``).
+            if not self.job.send(rank, message, direct=True):
                 self._fail(f"rank {rank} of session {self.id} is not connected")
                 break
         return cell

@@ -32,12 +32,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol, cast
 
 from nbdist import channel, protocol, timeline
 from nbdist._timer import after
 from nbdist.lines import LineBatcher, cut_long_lines
 from nbdist.protocol import (
+    DriverEvent,
     ErrorRecord,
     Frame,
     HelloEvent,
@@ -155,6 +156,9 @@ class RankProcess:
         #: will never be warmer: a pool that let it go must not be waited for).
         self.warm = threading.Event()
         self._room = threading.Semaphore(PIECES_QUEUED)
+        #: Frames are written whole: the driver's messages come on the event channel's reader
+        #: thread, and a session's cells from the notebook's thread (``Supervisor.deliver``).
+        self._send_lock = threading.Lock()
         threading.Thread(
             target=self._read, args=(os.fdopen(ctl_out_r, "rb"),), daemon=True
         ).start()
@@ -188,7 +192,8 @@ class RankProcess:
     def send(self, kind: int, body: bytes) -> bool:
         """Write a frame; False if the interpreter is gone."""
         try:
-            write_frame(self.ctl_in, kind, body)
+            with self._send_lock:
+                write_frame(self.ctl_in, kind, body)
         except (BrokenPipeError, ValueError):  # ValueError: already closed
             return False
         return True
@@ -359,6 +364,16 @@ class Supervisor:
                              name=f"nbdist-stacks-{self.spec.rank}").start()
         else:
             self._work.on_message(msg, self._rp)
+
+    def deliver(self, msg: DriverEvent) -> bool:
+        """A driver message handed over in the driver's process (``LocalLauncher.deliver``),
+        as if it came on the event channel; False while the channel is not up (the driver
+        then sends it there, and learns that the rank is not connected)."""
+        client = self._client
+        if client is None or not client.alive:
+            return False
+        self._on_message(cast(channel.Event, msg))
+        return True
 
     def world(self) -> dict[str, str]:
         """The rank's environment from the rendezvous (empty before it)."""
