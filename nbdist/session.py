@@ -2,7 +2,8 @@
 
 A session is a launch like any job's, on the same backends and supervisors, except that the
 ranks get no payload when they start. Each cell then travels to them over the event channel
-(``{"t": "cell"}``), runs in one namespace that lives as long as the rank's interpreter (as a
+(``{"t": "cell"}``; a local rank's supervisor, a thread of the kernel, takes it as a call:
+``Launcher.deliver``), runs in one namespace that lives as long as the rank's interpreter (as a
 kernel's ``user_ns`` does), and its value or error comes back the same way. The process group
 that ``dist.init_process_group()`` set up in one cell is still there in the next.
 
