@@ -257,7 +257,7 @@ def main() -> int:
         ]
     for np_, (before, now) in sized.items():
         baseline = (f"nbdist of {args.against}" if args.against else
-                    "a cell's end paced like any event (before issue 30)")
+                    "a cell's end paced like any event, as before issue 30")
         rows += [
             (f"1b. trivial cell, live {np_}-rank session", f"{baseline} (baseline)",
              median_ms(before), "1.000×", len(before)),
