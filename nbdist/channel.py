@@ -32,7 +32,7 @@ import json
 import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 PROTOCOL_VERSION = 3
@@ -105,11 +105,38 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
-def hostname_for_peers() -> str:
-    """This host's address as other hosts should use it (loopback when SPARK_LOCAL_IP says so)."""
+def source_address(host: str) -> str | None:
+    """The address of this host that packets to ``host`` leave from, or None (no route, a
+    name that does not resolve). A UDP socket's ``connect`` sends nothing: the kernel only
+    picks the route, and with it the source address."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0]).split("%")[0]
+    except (OSError, IndexError, UnicodeError):
+        return None
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
+
+
+def hostname_for_peers(toward: Iterable[str] = ()) -> str:
+    """This host's address as other hosts should use it.
+
+    ``SPARK_LOCAL_IP`` or ``NBDIST_HOST`` when set (loopback when the tests say so); else the
+    address that packets to the first of ``toward`` (hosts of the cluster) leave from, unless
+    that is loopback (the host is this one); else what this host's name resolves to, which on
+    Debian and Ubuntu is ``127.0.1.1`` (``/etc/hosts``), reached from this host only.
+    """
     env = os.environ.get("SPARK_LOCAL_IP") or os.environ.get("NBDIST_HOST")
     if env:
         return env
+    for host in toward:
+        source = source_address(host)
+        if source is not None and not _loopback(source):
+            return source
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

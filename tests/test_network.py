@@ -110,6 +110,32 @@ def test_interface_to_an_address_is_the_one_routing_there() -> None:
     assert interface_to("no-such-host.invalid") is None
 
 
+def test_a_connect_clients_address_is_the_one_it_reaches_the_cluster_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without SPARK_LOCAL_IP or NBDIST_HOST, the address told to the ranks is the source
+    address toward the first cluster host this machine does not reach over loopback (not
+    what its name resolves to: 127.0.1.1 on Debian); the master URL names those hosts."""
+    import psutil
+
+    from nbdist.launch.spark import cluster_hosts
+
+    assert cluster_hosts("spark://10.0.0.5:7077,m2:7077", "srv") == ["10.0.0.5", "m2", "srv"]
+    assert cluster_hosts("k8s://https://api.k:443") == ["api.k"]
+    assert cluster_hosts("local[4]", "localhost") == ["localhost"]
+    assert cluster_hosts("yarn") == []
+    own = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not own:
+        pytest.skip("this machine has no IPv4 address but loopback ones")
+    for name in ("SPARK_LOCAL_IP", "NBDIST_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    assert channel.hostname_for_peers(["localhost", own[0]]) == own[0]
+    assert channel.hostname_for_peers(["no-such-host.invalid", own[0]]) == own[0]
+    monkeypatch.setenv("NBDIST_HOST", "10.9.9.9")  # said explicitly: it wins
+    assert channel.hostname_for_peers([own[0]]) == "10.9.9.9"
+
+
 def test_ranks_get_the_interface_to_master_addr_unless_set() -> None:
     """GLOO/NCCL_SOCKET_IFNAME name the interface routing to MASTER_ADDR; --env wins."""
 

@@ -35,6 +35,7 @@ import secrets
 import signal
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
@@ -243,6 +244,21 @@ def read_connect_cluster(session: Any) -> ClusterInfo:
     )
 
 
+def cluster_hosts(master: str, server: str = "") -> list[str]:
+    """The hosts a Spark Connect client can find its cluster by, for the address its ranks
+    are told: the master's (``spark://h1:7077,h2:7077``, ``k8s://https://h:443``,
+    ``mesos://h:5050``), then the Connect server's. A local master or YARN names none."""
+    hosts: list[str | None] = []
+    found = re.fullmatch(r"(?:spark|mesos)://(.+)", master)
+    if found:
+        hosts += [urllib.parse.urlsplit(f"//{part}").hostname
+                  for part in found.group(1).split(",")]
+    elif master.startswith("k8s://"):
+        rest = master[len("k8s://"):]
+        hosts.append(urllib.parse.urlsplit(rest if "://" in rest else f"//{rest}").hostname)
+    return [h for h in (*hosts, server) if h]
+
+
 class SparkLauncher:
     """Ranks as the tasks of one Spark barrier stage; see the module docstring.
 
@@ -302,9 +318,14 @@ class SparkLauncher:
         host, host_from = launch.setting("driver_host")
         if not host and self.connect:
             # The notebook is Spark Connect's client, not Spark's driver: spark.driver.host
-            # is the server's machine. The ranks reach this one.
-            host, host_from = (channel.hostname_for_peers(),
-                               "this machine's address: a Spark Connect client")
+            # is the server's machine. The ranks reach this one, at the address it reaches the
+            # cluster from (its name may resolve to 127.0.1.1, as on Debian).
+            toward = cluster_hosts(self._conf("spark.master"), self._server_host())
+            host, host_from = (
+                channel.hostname_for_peers(toward),
+                "this machine's address toward the cluster (spark.master, the Connect "
+                "server): a Spark Connect client",
+            )
         if not host:
             spark_host = self._conf("spark.driver.host")
             host, host_from = (
@@ -349,6 +370,13 @@ class SparkLauncher:
             detail=info.describe() + (f", {per_task} ranks each (one per GPU)"
                                       if per_task > 1 else ""),
         )
+
+    def _server_host(self) -> str:
+        """The Connect server's host, as the client was given it ("" when not known)."""
+        try:
+            return str(self._session.client.host or "")
+        except Exception:  # a client without the property (pyspark < 4), or closed
+            return ""
 
     def _conf(self, key: str) -> str:
         """A setting of the session's Spark ("" when unset or not readable)."""

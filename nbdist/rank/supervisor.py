@@ -873,19 +873,18 @@ def socket_ifnames(world: dict[str, str], env: dict[str, str]) -> dict[str, str]
 def interface_to(address: str) -> str | None:
     """The name of this host's interface that packets to ``address`` leave from, if known.
 
-    A UDP socket's ``connect`` sends nothing: the kernel only picks the route and with it
-    the source address, whose interface psutil names.
+    The interface holding the source address the kernel picks for it
+    (``channel.source_address``), as psutil names it.
     """
+    source = channel.source_address(address)
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(address, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.connect(sockaddr)
-            source = str(probe.getsockname()[0])
         import psutil
-    except (OSError, ImportError, IndexError):
+    except ImportError:
+        return None
+    if source is None:
         return None
     for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == family and a.address.split("%")[0] == source for a in addrs):
+        if any(a.address.split("%")[0] == source for a in addrs):
             return str(name)
     return None
 def _reserve_port() -> socket.socket | None:
