@@ -614,9 +614,15 @@ class WarmEvent(TypedDict):
     t: Literal["warm"]
 
 
-class NamesEvent(TypedDict):
+class _RankMemory(TypedDict, total=False):
+    rss: int
+
+
+class NamesEvent(_RankMemory):
     """``modules``: what the payload imported (the next warm interpreter imports them);
-    ``names``: the session namespace's names after a cell."""
+    ``names``: the session namespace's names after a cell, with the rank's own resident
+    memory then (``rss``, where it could read it), to which its supervisor adds its children's
+    (a read of ``/proc`` in the rank, not one more in the kernel at every cell's end)."""
 
     t: Literal["modules", "names"]
     names: list[str]

@@ -179,6 +179,8 @@ class Sampler:
         #: whole, never edited.
         self._root: Any = None
         self._children: tuple[Any, ...] = ()
+        #: Resident memory of the rank's descendants at the last sample.
+        self.children_rss = 0
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbdist-resources")
 
     def start(self) -> None:
@@ -220,6 +222,7 @@ class Sampler:
             return {}
         self._root, self._children = root, tuple(procs[1:])
         rss = 0
+        root_rss = 0
         cpu: dict[tuple[int, float], float] = {}
         used = 0.0
         for p in procs:
@@ -230,12 +233,15 @@ class Sampler:
                     rss += p.memory_info().rss
             except psutil.Error:  # ended while we looked
                 continue
+            if p is root:
+                root_rss = rss
             total = times.user + times.system
             cpu[key] = total
             # A process new since the last sample counts from its start (its whole CPU time).
             used += total - self._cpu.get(key, 0.0)
         if self._seen is not None:
             self._seen(pid)
+        self.children_rss = rss - root_rss
         self.peak_rss = max(self.peak_rss or 0, rss, _high_water(pid))
         event: ResourcesEvent = {"t": "res", "rss": rss, "peak": self.peak_rss}
         if self._last:

@@ -162,6 +162,16 @@ def test_memory_now_counts_the_descendants_of_the_last_sample_without_looking_fo
         proc.stdin.close()
 
 
+def test_a_rank_reads_its_own_memory_as_psutil_does() -> None:
+    """A session rank's own resident memory, sent with its names after a cell, is what psutil
+    reads from outside (the supervisor adds the children's)."""
+    from nbdist.rank import runtime
+
+    own = runtime._own_rss()
+    assert own is not None
+    assert own == pytest.approx(psutil.Process().memory_info().rss, rel=0.2)
+
+
 @pytest.mark.timeout(10)
 def test_status_options_are_parsed_with_errors_that_name_the_fix(tmp_path: Path) -> None:
     """``%dist_status`` takes a job, ``--timeline``, ``--trace PATH`` and ``--ranks SPEC``; bad

@@ -48,6 +48,7 @@ from nbdist.protocol import (
     ErrorRecord,
     Frame,
     FrameWriter,
+    NamesEvent,
     Payload,
     Pulled,
     PullPayload,
@@ -375,6 +376,15 @@ def _mark_synced() -> None:
                 pass
 
 
+def _own_rss() -> int | None:
+    """This interpreter's resident memory in bytes (Linux's ``/proc/self/statm``), or None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 #: Modules loaded before any payload or warm-up: what every fresh interpreter has anyway.
 _AT_START: set[str] = set()
 
@@ -655,7 +665,11 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
             finally:
                 chan.event({"t": "modules", "names": _imported_since(_AT_START)})
                 if payload.get("session"):
-                    chan.event({"t": "names", "names": session_names()})
+                    names: NamesEvent = {"t": "names", "names": session_names()}
+                    rss = _own_rss()
+                    if rss is not None:
+                        names["rss"] = rss
+                    chan.event(names)
             _flush_all()
             if payload.get("session"):
                 _mark_synced()

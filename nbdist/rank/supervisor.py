@@ -334,6 +334,7 @@ class Supervisor:
         self._escapees: list[Any] = []
         self._oom = OomWatch()  # the rank's memory cgroups, to tell an OOM kill when it dies
         self._sampler: Sampler | None = None
+        self._reported_rss: int | None = None  # the rank's own memory after its last cell
         #: What the rank runs: all that differs between a job's rank and a session's.
         self._work: RankWork = (SessionCells(spec.secret, self._send_all, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
@@ -696,9 +697,8 @@ class Supervisor:
                     self._work.value(event, self._result_type)
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
-                else:  # the interpreter's: progress, metrics, its state
-                    self._send(event, self._work.lazy_start and event.get("t") == "state"
-                               and event.get("state") == "running")
+                else:
+                    self._forward(event)
             elif kind == Frame.PIECE:
                 self._work.piece(body)
                 rp.piece_done()
@@ -711,6 +711,18 @@ class Supervisor:
             elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
+
+    def _forward(self, event: Any) -> None:
+        """An event of the interpreter's on to the driver: progress, metrics, its state, a
+        session cell's names (with the rank's own memory, kept for the cell's end)."""
+        kind = event.get("t")
+        if kind == "names":
+            rss = event.get("rss")
+            self._reported_rss = rss if type(rss) is int else None
+        elif kind == "state":  # a cell starts (a failed cell's names come after its end)
+            self._reported_rss = None
+        self._send(event, self._work.lazy_start and kind == "state"
+                   and event.get("state") == "running")
 
     def _answer_stacks(self, req: Any) -> None:
         text, error = self.stacks()
@@ -749,8 +761,12 @@ class Supervisor:
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
-        with the rank and would count them twice), as ``Sampler.rss_now`` measures it."""
+        with the rank and would count them twice): what the rank said of its own after the
+        cell, with its children's at the last sample; or as ``Sampler.rss_now`` measures it."""
+        own, self._reported_rss = self._reported_rss, None
         sampler = self._sampler
+        if own is not None:
+            return own + (sampler.children_rss if sampler is not None else 0)
         return sampler.rss_now() if sampler is not None else None
 
     def _pump(self, pipe: Any, stream: Literal["o", "e"]) -> None:
