@@ -524,7 +524,8 @@ class LocalLauncher:
         the thread still sending (half of a 16-rank cell's 20 ms; docs/performance.md).
         """
         with self._lock:
-            sup = next((s for s in self._supervisors if s.spec.rank == rank), None)
+            # The newest of the rank's (a launcher that started again holds the old ones too).
+            sup = next((s for s in reversed(self._supervisors) if s.spec.rank == rank), None)
         return sup is not None and sup.deliver(event)
 
     def cancel(self) -> None:
