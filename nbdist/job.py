@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nbdist import _pickling, channel, events, launch, logfiles, state, timeline, tracking
+from nbdist import _pickling, blame, channel, events, launch, logfiles, state, timeline, tracking
 from nbdist._timer import after
 from nbdist.capture import call_code
 from nbdist.errors import (
@@ -685,14 +685,11 @@ class Job(Handle):
             ) from None
 
     def _failure_error(self, failed: list[RankOutcome]) -> DistributedError:
-        root = self._first_failure if self._first_failure is not None else failed[0].rank
-        # A rank killed by a signal nbdist did not send (SIGKILL, a segfault) is the cause its
-        # peers' errors follow from (a collective's connection reset), whichever was heard
-        # first: on a busy machine a peer's exception can reach the driver before the death.
-        killed = [o.rank for o in failed
-                  if o.error is None and o.exit_code is not None and o.exit_code < 0]
-        if killed and root not in killed:
-            root = killed[0]
+        # The cause, not its consequences: a rank killed by a signal, or whose error is not a
+        # collective's lost peer, over the first one heard (on a busy machine a peer's
+        # "Connection closed by peer" can reach the driver first; without the channel nothing
+        # is heard and Spark hands the outcomes over in rank order).
+        root = blame.root_cause(failed, self._first_failure)
         ordered = sorted(failed, key=lambda o: (o.rank != root, o.rank))
         first = ordered[0]
         what = (

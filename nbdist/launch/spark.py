@@ -280,6 +280,9 @@ class SparkLauncher:
         self._group: str | None = None
         self._cancelled = False
         self._killed = False  # Spark's job group was cancelled: lost tasks were killed by us
+        #: Spark Connect: the operation ids that this job's ``interruptTag`` interrupted (what
+        #: Spark answered; empty until then, or when the stage had ended first).
+        self.interrupted: tuple[str, ...] = ()
         self._finished = threading.Event()
         self._per_task = 1  # ranks per barrier task: the GPUs of a task, with --gpu
 
@@ -617,7 +620,9 @@ class SparkLauncher:
             return
         self._killed = True
         if self.connect:
-            self._session.interruptTag(group)  # this job's tag: nobody else's operations
+            # This job's tag: nobody else's operations. Spark answers with the ids of the
+            # operations it interrupted: the stage's collect(), unless it had ended.
+            self.interrupted = tuple(str(i) for i in self._session.interruptTag(group) or ())
         else:
             self._sc.cancelJobGroup(group)
 

@@ -558,6 +558,7 @@ class Supervisor:
             spec.rank, RankStatus.FAILED, result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
             peak_rss=self._sampler.peak_rss if self._sampler is not None else None,
+            ended=self.marks.get(timeline.RESULT, self.marks.get(timeline.EXIT)),
         )
         stopped = self._cancelled_before_exit
         if code == -signal.SIGKILL and self._result is None and not stopped:

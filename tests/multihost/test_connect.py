@@ -131,6 +131,9 @@ def test_cancel_interrupts_only_the_jobs_own_tag(
         assert re.search(r"job j\d+ cancelled", reply.stdout), reply.stdout
         kernel.execute("_mh_job.wait(60)", timeout=90)
         assert kernel.value("_mh_job.state.status") == "cancelled"
+        # Spark's interrupt, not only the ranks' stop over the event channel: the stage's
+        # operation was among those the job's own tag interrupted.
+        assert kernel.value("list(_mh_job.launcher.interrupted)"), "interruptTag ended nothing"
     finally:
         gate.open()
         kernel.execute("_mh_sb.CANCEL_GRACE_S = _mh_grace\n_mh_thread.join(300)", timeout=320)

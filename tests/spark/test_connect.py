@@ -15,10 +15,13 @@ from pyspark.sql import SparkSession
 
 import nbdist
 from nbdist import state
+from nbdist.job import Job
 from nbdist.launch import backends
 from nbdist.launch import spark as spark_backend
+from nbdist.protocol import CallPayload
 from nbdist.rank import localcode
 
+from ..faults.rows import Misdirected
 from ..helpers import Gate, run, wait_for
 from ..test_elastic import _fails_first
 from .test_warm_executors import _until_forked
@@ -115,8 +118,10 @@ def test_sessions_restarts_and_warm_executors_on_connect(
 def test_cancel_interrupts_this_jobs_tag_only(
     spark_connect: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: Gate,
 ) -> None:
-    """A cancelled job's stage is interrupted through its own tag (no grace: Spark kills the
-    tasks at once), while another query of the same session, running beside it, finishes."""
+    """A cancelled job's stage is interrupted through its own tag, while another query of the
+    same session, running beside it, finishes. Its ranks cannot reach the event server, so
+    nbdist cannot stop them over the channel: only Spark's interrupt ends them, and the ids
+    of the operations it interrupted are kept."""
     started = tmp_path / "started"
 
     def other_query(batches: Any) -> Any:
@@ -130,19 +135,27 @@ def test_cancel_interrupts_this_jobs_tag_only(
         spark_connect.range(1, numPartitions=1).mapInArrow(other_query, "id long").collect()))
     thread.start()
     wait_for(started.exists, timeout=300)
+    up = str(tmp_path / "up")
 
     def forever() -> None:
+        import os
         import time
 
+        open(f"{up}-{os.environ['RANK']}", "w").close()
         while True:
             time.sleep(0.1)
 
     monkeypatch.setattr(spark_backend, "CANCEL_GRACE_S", 0.0)
-    job = nbdist.run(forever, np=2)
-    wait_for(lambda: all(r.status == state.RUNNING for r in job.state.ranks), timeout=300)
+    spark = spark_backend.SparkLauncher()
+    launcher = Misdirected(spark)
+    payload: CallPayload = {"kind": "call", "fn": forever, "args": (), "kwargs": {}}
+    job = Job(payload, 2, launcher).start()
+    wait_for(lambda: all(Path(f"{up}-{r}").exists() for r in range(2)), timeout=300)
     job.cancel()
-    assert job.wait(timeout=60)
+    assert job.wait(timeout=120), "the ranks outlived the cancel: Spark did not interrupt them"
     assert job.state.status == state.CANCELLED
+    assert [r.status for r in job.state.ranks] == [state.CANCELLED] * 2
+    assert spark.interrupted, "interruptTag interrupted no operation"
     gate.open()
     thread.join(timeout=300)
     assert [tuple(r) for r in other[0]] == [(0,)], other
