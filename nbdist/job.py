@@ -793,8 +793,14 @@ class Job(Handle):
         """Why the job was cancelled (by the user, a failure, a timeout), or None."""
         return self._cancel_reason
 
-    def send(self, rank: int, event: DriverEvent) -> bool:
-        """Send ``event`` to ``rank`` on the event channel; False if it is not connected."""
+    def send(self, rank: int, event: DriverEvent, direct: bool = False) -> bool:
+        """Send ``event`` to ``rank`` on the event channel; False if it is not connected.
+
+        ``direct``: hand it to the rank's supervisor in the calling thread where it is a
+        thread of this process (``Launcher.deliver``; a local rank), the channel elsewhere.
+        Messages sent so may overtake those sent on the channel just before."""
+        if direct and self.launcher.deliver(rank, event):
+            return True
         return self._server.send(self.id, rank, event)
 
     def stacks(self, timeout: float = STACKS_WAIT_S, job_id: str | None = None) -> Stacks:

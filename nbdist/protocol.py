@@ -123,11 +123,12 @@ class Frame:
     DEBUG = ord("D")  #: supervisor → rank: a line typed in the notebook for its debugger
 
 
-def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview) -> None:
-    """Write one frame (length, kind, body) and flush it."""
+def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview, flush: bool = True) -> None:
+    """Write one frame (length, kind, body) and flush it (unless told not to)."""
     f.write(_HEADER.pack(len(body), kind))
     f.write(body)
-    f.flush()
+    if flush:
+        f.flush()
 
 
 def read_frame(f: BinaryIO) -> tuple[int, bytes] | None:
@@ -150,10 +151,34 @@ class FrameWriter:
         #: Held while a frame is written; also over a fork (``runtime``'s fork guard), so a
         #: child never inherits half a frame.
         self.lock = threading.Lock()
+        self._held = False
 
     def send(self, kind: int, body: bytes | memoryview) -> None:
         with self.lock:
-            write_frame(self._f, kind, body)
+            write_frame(self._f, kind, body, flush=not self._held)
+
+    def hold(self) -> None:
+        """Keep the frames sent from now on (from any thread) until :meth:`release`, which
+        writes them together: a session cell's end is several frames, and each write wakes
+        the supervisor's reader (a thread of the kernel, for local ranks). A large frame still
+        goes at once (the buffer's size), after those held before it."""
+        with self.lock:
+            self._held = True
+
+    def release(self) -> None:
+        """Write the frames held since :meth:`hold`, and write each at once again."""
+        with self.lock:
+            self._held = False
+            self._f.flush()
+
+    def flush_held(self) -> None:
+        """Write what is held, with ``lock`` taken (before a fork: a child that inherited the
+        frames in the buffer would send them a second time)."""
+        self._f.flush()
+
+    def forget_hold(self) -> None:
+        """In a forked child: write each frame at once (nobody will ``release`` it here)."""
+        self._held = False
 
     def event(self, event: RankEvent) -> None:
         """Send a JSON event (``Frame.EVENT``)."""
@@ -593,9 +618,15 @@ class WarmEvent(TypedDict):
     t: Literal["warm"]
 
 
-class NamesEvent(TypedDict):
+class _RankMemory(TypedDict, total=False):
+    rss: int
+
+
+class NamesEvent(_RankMemory):
     """``modules``: what the payload imported (the next warm interpreter imports them);
-    ``names``: the session namespace's names after a cell."""
+    ``names``: the session namespace's names after a cell, with the rank's own resident
+    memory then (``rss``, where it could read it), to which its supervisor adds its children's
+    (a read of ``/proc`` in the rank, not one more in the kernel at every cell's end)."""
 
     t: Literal["modules", "names"]
     names: list[str]

@@ -2,7 +2,8 @@
 
 A session is a launch like any job's, on the same backends and supervisors, except that the
 ranks get no payload when they start. Each cell then travels to them over the event channel
-(``{"t": "cell"}``), runs in one namespace that lives as long as the rank's interpreter (as a
+(``{"t": "cell"}``; a local rank's supervisor, a thread of the kernel, takes it as a call:
+``Launcher.deliver``), runs in one namespace that lives as long as the rank's interpreter (as a
 kernel's ``user_ns`` does), and its value or error comes back the same way. The process group
 that ``dist.init_process_group()`` set up in one cell is still there in the next.
 
@@ -224,7 +225,8 @@ class Session:
                 own = common if per_rank is None else {**common, **per_rank(rank)}
                 body = base64.b64encode(_pickling.dumps(own)).decode()
                 message = {"t": "cell", "id": self._cell_ids, "payload": body}
-            if not self.job.send(rank, message):
+            # Direct: a local rank's supervisor takes it in this thread (``Launcher.deliver``).
+            if not self.job.send(rank, message, direct=True):
                 self._fail(f"rank {rank} of session {self.id} is not connected")
                 break
         return cell

@@ -37,6 +37,8 @@ from nbdist.protocol import Pulled
 CHUNK = 4 * 2**20
 #: Buffers at least this large travel out of band (smaller ones stay in the pickle stream).
 OUT_OF_BAND_BYTES = 64 * 1024
+#: Segments at least this large are received into anonymous maps (``Receiver``).
+MAPPED_BYTES = 2**20
 
 
 class SignatureError(ValueError):
@@ -153,10 +155,12 @@ class Receiver:
         self._mac = signer(secret, cell, sizes)
         # Anonymous maps, not bytearrays: their pages are mapped as the pieces are written,
         # not zeroed in a pass of their own first. An array unpickled out of band lives in one.
-        # A ``bytes`` value (``_Bytes``) is received into the bytes object it will be.
+        # A ``bytes`` value (``_Bytes``) is received into the bytes object it will be. A small
+        # segment (a session cell's usual value) is a bytearray: a map costs two system calls
+        # that lock the kernel's address space against every other thread's page faults.
         self._segments: list[bytearray | mmap.mmap | bytes] = [
-            _fresh_bytes(s) if i in as_bytes else mmap.mmap(-1, s) if s else bytearray()
-            for i, s in enumerate(sizes)]
+            _fresh_bytes(s) if i in as_bytes else mmap.mmap(-1, s) if s >= MAPPED_BYTES
+            else bytearray(s) for i, s in enumerate(sizes)]
         self._views = [_writable(seg) for seg in self._segments]
         self._seg = 0  # the segment being filled
         self._pos = 0  # bytes of it filled

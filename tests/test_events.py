@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 
 from nbdist import channel, events, state
-from nbdist.rank.client import EventClient
+from nbdist.rank.client import LAZY_S, EventClient
 
 from . import hostile
 from .helpers import wait_for
@@ -303,6 +303,67 @@ def test_the_end_of_a_session_cell_goes_at_once_whatever_the_pace(
     wait_for(lambda: len(rec.events) == 3, 20, "the cell's end, well before the 30 s pace")
     assert [e["t"] for _, e in rec.events] == ["out", "out", "cell_result"]
     client.close()
+
+
+def test_a_lazy_event_waits_for_the_next_write_and_is_never_merged(
+    server: events.EventServer,
+) -> None:
+    """An event sent lazily (a session rank's "running") goes with the next event that must
+    go (a cell's end), or on its own after ``LAZY_S``; two of them both arrive."""
+    rec, secret = Recorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    wait_for(lambda: rec.connected, 10, "the hello")
+    client.send_all([{"t": "state", "state": "running"}], lazy=True)
+    client.send_all([{"t": "state", "state": "running"}], lazy=True)
+    client.send({"t": "cell_result", "cell": 1})
+    wait_for(lambda: len(rec.events) == 3, 10, "the cell's end, with what waited")
+    assert [e["t"] for _, e in rec.events] == ["state", "state", "cell_result"]
+    started = time.monotonic()
+    client.send_all([{"t": "state", "state": "running"}], lazy=True)
+    wait_for(lambda: len(rec.events) == 4, 10, "the lazy event on its own")
+    assert time.monotonic() - started >= LAZY_S * 0.9  # it waited its turn
+    client.close()
+
+
+def test_cell_ends_written_by_their_senders_keep_each_senders_order(
+    server: events.EventServer,
+) -> None:
+    """Events that end a session cell are written by the thread that sends them, yet what
+    each thread sends (output, small and large blocks, cell ends) arrives whole and in its
+    order while other threads send too (the pumps and the control reader of one rank)."""
+    rec, secret = Recorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+
+    def sender(k: int) -> None:
+        for i in range(200):
+            client.send({"t": "out", "s": "o" if k % 2 else "e", "text": f"{k}:{i}\n"})
+            blob = bytes([k]) * (100_000 if i % 50 == 0 else i)
+            client.send_all([{"t": "cell_value", "cell": k, "i": i},
+                             {"t": "cell_data", "cell": k, "i": i, "data": blob},
+                             {"t": "cell_result", "cell": k, "i": i}])
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+    wait_for(lambda: sum(e["t"] == "cell_result" for _, e in rec.events) == 800, 30,
+             "every cell end")
+    for k in range(4):
+        mine = [e for _, e in rec.events if e.get("cell") == k]
+        assert [(e["t"], e["i"]) for e in mine] == [
+            (t, i) for i in range(200) for t in ("cell_value", "cell_data", "cell_result")]
+        sizes = [100_000 if i % 50 == 0 else i for i in range(200)]
+        assert [bytes(e["data"]) for e in mine if e["t"] == "cell_data"] == [  # type: ignore
+            bytes([k]) * n for n in sizes]
+        text = "".join(str(e["text"]) for _, e in rec.events
+                       if e["t"] == "out" and e["s"] == ("o" if k % 2 else "e"))
+        assert [line for line in text.splitlines() if line.startswith(f"{k}:")] == [
+            f"{k}:{i}" for i in range(200)]
+    assert server.rejected == 0 and client.dropped == 0
 
 
 def test_free_port_is_below_the_ephemeral_range() -> None:

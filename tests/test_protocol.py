@@ -5,9 +5,15 @@ and the driver keeps only the fields it knows."""
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
+import os
 import pickle
 
-from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
+import pytest
+
+from nbdist.protocol import Frame, FrameWriter, LaunchRequest, RankOutcome, RankStatus, read_frame
+from nbdist.rank import reporting
 
 
 def test_an_outcome_comes_back_whole_from_its_fields_with_the_status_as_a_word() -> None:
@@ -40,3 +46,42 @@ def test_a_launch_request_is_plain_fields_that_rebuild_it() -> None:
     fields = request.fields()
     assert b"nbdist" not in pickle.dumps(fields)
     assert LaunchRequest(**fields) == request
+
+
+def test_frames_held_go_in_one_write_and_a_fork_meanwhile_sends_them_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames sent while held reach the pipe only at release (or before a fork, so that a
+    forked child, which writes each frame at once, never sends them a second time)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = os.fdopen(w, "wb")
+    chan = FrameWriter(out)
+    monkeypatch.setattr(reporting, "channel", chan)
+
+    def send(name: str) -> None:
+        chan.send(Frame.EVENT, json.dumps({"t": name}).encode())
+
+    with os.fdopen(r, "rb") as reader:
+        chan.hold()
+        send("a")
+        assert reader.read() is None  # nothing written yet
+        send("b")
+        reporting.before_fork()
+        pid = os.fork()
+        if pid == 0:  # the child: its frame goes at once
+            try:
+                reporting.after_fork_in_child()
+                send("child")
+            finally:
+                os._exit(0)
+        reporting.after_fork_in_parent()
+        assert os.waitpid(pid, 0)[1] == 0
+        send("c")
+        chan.release()
+        data = reader.read()
+        out.close()
+    got = []
+    with io.BytesIO(data) as f:
+        while (frame := read_frame(f)) is not None:
+            got.append(json.loads(frame[1])["t"])
+    assert got == ["a", "b", "child", "c"]

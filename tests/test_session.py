@@ -249,6 +249,25 @@ def test_a_cell_that_closes_the_ranks_stdout_and_stderr_does_not_break_the_next(
     assert live.alive
 
 
+def test_a_cells_end_carries_each_ranks_memory(ip: Any, live: sessions.Session) -> None:
+    """Once a cell is over, the session knows each rank's memory with what the cell left."""
+    run(ip, "%%distributed\nblob = b'x' * (100 * 1024 * 1024)")
+    assert sorted(live.rss) == [0, 1] and min(live.rss.values()) > 100e6
+
+
+def test_a_local_rank_takes_the_drivers_messages_as_a_call_while_its_channel_is_up(
+        ip: Any, live: sessions.Session) -> None:
+    """A local session's supervisors take a message (a cell) from the notebook's thread; a
+    rank the backend does not have, or whose channel closed, does not (the driver then sends
+    on the event channel, and learns the rank is not connected)."""
+    assert live.launcher.deliver(0, {"t": "interrupt", "id": 10**6})  # no such cell: ignored
+    assert not live.launcher.deliver(live.np, {"t": "interrupt", "id": 1})
+    assert run(ip, "%%distributed -o both\nimport os\n40 + int(os.environ['RANK'])") == 40
+    assert ip.user_ns["both"] == [40, 41]
+    live.stop()
+    assert not live.launcher.deliver(0, {"t": "interrupt", "id": 1})
+
+
 def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:
     """%dist_push sends a notebook value to every rank; %dist_pull brings one back."""
     run(ip, "weights = {'w': [1.0, 2.0]}")

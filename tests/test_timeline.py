@@ -131,6 +131,47 @@ def test_sampler_counts_the_cpu_and_memory_of_the_whole_process_tree() -> None:
         proc.wait()
 
 
+@pytest.mark.timeout(30)
+def test_memory_now_counts_the_descendants_of_the_last_sample_without_looking_for_new_ones(
+) -> None:
+    """``rss_now`` (a session cell's end) measures the rank and the children the last sample
+    found, still running, and finds no new ones itself: those wait for the next sample."""
+    holder = "b = b'x' * (100 * 1024 * 1024)\nimport time\ntime.sleep(600)"
+    code = ("import subprocess, sys; "
+            f"p = subprocess.Popen([sys.executable, '-c', {holder!r}]); "
+            "sys.stdin.readline(); p.kill(); p.wait(); sys.stdin.readline()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    try:
+        sampler = resources.Sampler(lambda: proc.pid, (), lambda e: None)
+        # The parent's interpreter and the child's with its 105 MB: above 112 MB once written.
+        wait_for(lambda: sampler.sample().get("rss", 0) > 112e6, 20, "the child in a sample")
+        assert (sampler.rss_now() or 0) > 112e6  # the child, without a new sample
+        proc.stdin.write(b"\n")  # the child is killed: no longer counted
+        proc.stdin.flush()
+        wait_for(lambda: (sampler.rss_now() or 0) < 100e6, 20, "the child gone from rss_now")
+        fresh = resources.Sampler(lambda: proc.pid, (), lambda e: None)
+        assert fresh.rss_now() == pytest.approx(psutil.Process(proc.pid).memory_info().rss,
+                                                rel=0.5)  # no sample yet: the rank alone
+        assert resources.Sampler(lambda: None, (), lambda e: None).rss_now() is None
+    finally:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+
+
+def test_a_rank_reads_its_own_memory_as_psutil_does() -> None:
+    """A session rank's own resident memory, sent with its names after a cell, is what psutil
+    reads from outside (the supervisor adds the children's)."""
+    from nbdist.rank import runtime
+
+    own = runtime._own_rss()
+    assert own is not None
+    assert own == pytest.approx(psutil.Process().memory_info().rss, rel=0.2)
+
+
 @pytest.mark.timeout(10)
 def test_status_options_are_parsed_with_errors_that_name_the_fix(tmp_path: Path) -> None:
     """``%dist_status`` takes a job, ``--timeline``, ``--trace PATH`` and ``--ranks SPEC``; bad

@@ -456,3 +456,31 @@ def test_a_zygote_imports_what_every_rank_needs_with_the_first_job() -> None:
     assert nbdist.run(abs, -1, np=1, gpu=False).result() == 1
     (zygote,) = local.pool._zygotes.values()
     assert set(local.RANK_MODULES) <= zygote.modules
+
+
+def test_the_packages_a_rank_imported_are_judged_once_per_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a rank imported since a moment counts installed packages only, not the user's
+    own modules, and each module file is judged once (a session asks after every cell)."""
+    import importlib
+
+    from nbdist.rank import runtime
+
+    (tmp_path / "mine_nbdist_test.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules) - {"mine_nbdist_test", "wave"}
+    importlib.import_module("mine_nbdist_test")
+    wave = importlib.import_module("wave")  # the standard library: installed
+    monkeypatch.setattr(runtime, "_installed", {})
+    judged: list[str] = []
+    real = runtime.is_installed
+
+    def is_installed(path: str, dirs: list[str]) -> bool:
+        judged.append(path)
+        return real(path, dirs)
+
+    monkeypatch.setattr(runtime, "is_installed", is_installed)
+    assert runtime._imported_since(before) == ["wave"]
+    assert runtime._imported_since(before) == ["wave"]
+    assert sorted(judged) == sorted({str(tmp_path / "mine_nbdist_test.py"), str(wave.__file__)})
+    monkeypatch.delitem(sys.modules, "mine_nbdist_test")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from nbdist.events import DriverAddress
-from nbdist.protocol import LaunchRequest, RankOutcome
+from nbdist.protocol import DriverEvent, LaunchRequest, RankOutcome
 
 __all__ = ["Capacity", "LaunchRequest", "Launcher", "RankOutcome", "Settings", "settings",
            "setting", "heartbeat_timeout", "check_heartbeat_timeout", "HEARTBEAT_TIMEOUT_S",
@@ -137,4 +137,9 @@ class Launcher(Protocol):
 
     def cancel(self) -> None:
         """Tear every rank down; outcomes still arrive through ``on_outcome``."""
+        ...
+
+    def deliver(self, rank: int, event: DriverEvent) -> bool:
+        """Hand ``event`` to rank ``rank``'s supervisor in this process, in the calling thread,
+        where the backend runs it here (True); False: it goes on the event channel."""
         ...

@@ -26,7 +26,14 @@ from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, gpus_text, no_gpu_hint
 from nbdist.launch.zygote import Zygote, installation_stamp, process_attributes
-from nbdist.protocol import Frame, HelloEvent, LaunchRequest, RankOutcome, RankStatus
+from nbdist.protocol import (
+    DriverEvent,
+    Frame,
+    HelloEvent,
+    LaunchRequest,
+    RankOutcome,
+    RankStatus,
+)
 from nbdist.rank import runtime
 from nbdist.rank.supervisor import RankProcess, RankSpec, Supervisor, Taken
 
@@ -507,6 +514,19 @@ class LocalLauncher:
         elif last:
             pool.rest()
         self._on_outcome(outcome)
+
+    def deliver(self, rank: int, event: DriverEvent) -> bool:
+        """The supervisors are threads of the kernel: a message goes to one as a call.
+
+        A session's cell then reaches every rank's pipe from the notebook's thread in a
+        fraction of a millisecond, where over the event channel it woke each supervisor's
+        reader thread, one after another, all of them contending for the kernel's GIL with
+        the thread still sending (half of a 16-rank cell's 20 ms; docs/performance.md).
+        """
+        with self._lock:
+            # The newest of the rank's (a launcher that started again holds the old ones too).
+            sup = next((s for s in reversed(self._supervisors) if s.spec.rank == rank), None)
+        return sup is not None and sup.deliver(event)
 
     def cancel(self) -> None:
         self._stop.set()

@@ -43,7 +43,7 @@ from typing import Any
 from nbdist import channel, events, launch
 from nbdist.errors import CapacityError
 from nbdist.launch import Capacity, gpus_text
-from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
+from nbdist.protocol import DriverEvent, LaunchRequest, RankOutcome, RankStatus
 
 #: Executors register a moment after a session starts: in a session younger than
 #: ``YOUNG_SESSION_S``, ``check`` and ``capacity`` wait up to ``EXECUTOR_WAIT_S`` for enough
@@ -594,6 +594,9 @@ class SparkLauncher:
         except Exception:  # py4j errors: JVM internals this Spark build lacks
             pass
         return None
+
+    def deliver(self, rank: int, event: DriverEvent) -> bool:
+        return False  # the supervisors run on the executors: the event channel it is
 
     def cancel(self) -> None:
         """Stop the ranks: the supervisors first (the job has told them), then Spark's tasks."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from nbdist import values
@@ -28,6 +28,9 @@ from nbdist.protocol import Frame, RankEvent
 
 #: How long a session cell's value waits for the cell's last output to be forwarded first.
 SYNC_WAIT_S = 2.0
+#: A value this small goes to the driver with its signature, in one write (a larger one goes
+#: piece by piece as it comes, so that its first pieces travel while the rank sends the rest).
+HOLD_BYTES = 64 * 1024
 
 
 class _Interpreter(Protocol):
@@ -47,6 +50,11 @@ class RankWork(Protocol):
     ends_with_driver: bool
     #: The driver said ``quit``: the rank's exit with code 0 is its normal end.
     quitting: bool
+    #: The rank's "running" may wait for the next write to the driver (``LAZY_S`` at most)
+    #: instead of a write of its own: a session's cells are mostly over within milliseconds,
+    #: and their end then carries it. Written alone, it woke the kernel's event server, which
+    #: then paused (``events.PACE_S``, longer with many ranks) while the cells' ends came in.
+    lazy_start: bool
 
     def begin(self, rank: _Interpreter, env: bytes) -> None:
         """Give the new interpreter its environment frame, and its code if it has it now."""
@@ -78,6 +86,7 @@ class JobWork:
     needs_channel = False
     ends_with_driver = False
     quitting = False
+    lazy_start = False
 
     def __init__(self, payload: bytes) -> None:
         self._payload = payload
@@ -111,11 +120,12 @@ class SessionCells:
 
     needs_channel = True
     ends_with_driver = True
+    lazy_start = True
 
-    def __init__(self, secret: str, send: Callable[[RankEvent], None],
+    def __init__(self, secret: str, send: Callable[[Sequence[RankEvent]], None],
                  rss: Callable[[], int | None]) -> None:
         self._secret = secret
-        self._send = send
+        self._send = send  # events sent together, in one write
         self._rss = rss  # the rank's memory, sent with each cell's end (%dist_session)
         self._cell: int | None = None  # the cell running now
         self.quitting = False  # see RankWork
@@ -123,6 +133,9 @@ class SessionCells:
         self._cells_ended = 0
         self._sync_cond = threading.Condition()
         self._signer: Any = None  # the running HMAC of the value being forwarded
+        #: A small value's announcement and piece, held to go with its signature (one write
+        #: to the driver instead of three); None while a value goes piece by piece.
+        self._held: list[RankEvent] | None = None
 
     def begin(self, rank: _Interpreter, env: bytes) -> None:
         rank.send(Frame.ENV, env)  # the cells follow from the driver (on_message)
@@ -167,28 +180,38 @@ class SessionCells:
         sizes = [int(s) for s in event.get("sizes") or ()]
         self._signer = values.signer(self._secret, self._cell or 0, sizes)
         as_bytes = [int(i) for i in event.get("bytes") or ()]  # received as bytes objects
-        self._send({"t": "cell_value", "cell": self._cell, "sizes": sizes, "type": result_type,
-                    "bytes": as_bytes})
+        announce: RankEvent = {"t": "cell_value", "cell": self._cell, "sizes": sizes,
+                               "type": result_type, "bytes": as_bytes}
+        if sum(sizes) <= HOLD_BYTES:
+            self._held = [announce]
+        else:
+            self._send([announce])
 
     def piece(self, piece: bytes) -> None:
         if self._signer is not None:
             self._signer.update(piece)
-            self._send({"t": "cell_data", "cell": self._cell, "data": piece})
+            data: RankEvent = {"t": "cell_data", "cell": self._cell, "data": piece}
+            if self._held is not None:
+                self._held.append(data)
+            else:
+                self._send([data])
 
     def ended(self, kind: int, body: bytes, result_type: str | None) -> bool:
         """Send the end of a cell to the driver: its error, or its value's signature (after
         the value's pieces)."""
         cell, self._cell = self._cell, None
         signer, self._signer = self._signer, None
+        held, self._held = self._held or [], None
         rss = self._rss()  # what the cell left, for %dist_session
         if kind == Frame.ERROR:
             self._output_sent()
-            self._send({"t": "cell_error", "cell": cell, "error": json.loads(body), "rss": rss})
+            self._send([{"t": "cell_error", "cell": cell, "error": json.loads(body),
+                         "rss": rss}])
         elif signer is None:
-            self._send({"t": "cell_error", "cell": cell, "rss": rss, "error": {
+            self._send([{"t": "cell_error", "cell": cell, "rss": rss, "error": {
                 "type": "RuntimeError", "traceback": "",
-                "message": "the cell's value was not announced"}})
+                "message": "the cell's value was not announced"}}])
         else:
-            self._send({"t": "cell_result", "cell": cell, "type": result_type,
-                        "mac": signer.hexdigest(), "rss": rss})
+            self._send([*held, {"t": "cell_result", "cell": cell, "type": result_type,
+                                "mac": signer.hexdigest(), "rss": rss}])
         return True

@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from nbdist.channel import (
@@ -34,6 +34,8 @@ MAX_PENDING_BYTES = 8 * 1024 * 1024
 MERGE_CHARS = 64 * 1024
 #: Most bytes of events put in one line (one JSON array) by a client.
 BATCH_LINE_BYTES = 1024 * 1024
+#: Binary blocks up to this size are copied into the write of the lines around them.
+JOIN_BYTES = 64 * 1024
 #: Events that need not go at once, and may be merged with a newer one of the same kind.
 _LAZY = frozenset({"progress", "metrics", "hb", "res"})
 
@@ -92,9 +94,15 @@ class EventClient:
         self._urgent = False  # something in _pending must go without waiting LAZY_S
         self._prompt = False  # something in _pending goes now, whatever the pace (PROMPT)
         self._since = 0.0  # when the oldest pending event was queued
+        self._last = 0.0  # when the last write ended
+        self._writing = False  # a thread is writing a batch (one at a time, in order)
         self._closing = False
         self._every = SEND_EVERY_S  # the server may ask for a longer interval (``pace``)
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the sender thread waits here for work
+        #: Senders wait here for room in the queue: apart, so that taking a batch, which
+        #: makes room, does not wake the sender thread too (at every cell's end).
+        self._room = threading.Condition(lock)
         self.alive = True
         #: When the driver last said anything (``time.monotonic()``): a driver that keeps the
         #: ranks alive pings them (``{"t": "ping"}``), so a long silence means it is gone even
@@ -112,69 +120,113 @@ class EventClient:
         An event whose ``data`` is bytes (at most ``MAX_BLOCK_BYTES``) travels as a binary
         block.
         """
-        # Queued as it is (``_merge`` may fold later events of its kind into it).
-        event = cast(Event, event)
-        kind = event.get("t")
-        size = len(event.get("text") or "") + 100  # what matters is the output text
-        data = event.get("data")
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            size += memoryview(data).nbytes
+        return self.send_all((event,))
+
+    def send_all(self, events: Sequence[Mapping[str, Any]], lazy: bool = False) -> bool:
+        """Queue ``events`` together, as ``send`` does each: one write carries them all.
+
+        ``lazy``: they may wait (``LAZY_S`` at most) for something else to go with, as
+        progress does, but are never merged with other events.
+
+        An event that ends a session cell (``PROMPT``) is written at once by the calling
+        thread, with what was queued before it, unless a write is under way (the sender
+        thread then writes it next): a thread hop less on the way of every cell's end.
+        """
+        # Queued as they are (``_merge`` may fold later events of their kind into them).
+        size = 0
+        for event in events:
+            size += len(event.get("text") or "") + 100  # what matters is the output text
+            data = event.get("data")
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                size += memoryview(data).nbytes
         with self._cond:
             while self._pending_bytes > MAX_PENDING_BYTES and self.alive:
-                self._cond.wait()  # the driver is behind: wait rather than pile up
+                self._room.wait()  # the driver is behind: wait rather than pile up
             if not self.alive:
-                self.dropped += 1
+                self.dropped += len(events)
                 return False
+            # The sender's next write is due no sooner unless one of these changes.
+            was = (bool(self._pending), self._urgent, self._prompt)
             if not self._pending:
                 self._since = time.monotonic()
-            if kind in _LAZY:
-                _merge(self._pending, event)
-            else:
-                if kind != "out" or not _append_output(self._pending, event):
+            for item in events:
+                event = cast(Event, item)
+                kind = event.get("t")
+                if kind in _LAZY:
+                    _merge(self._pending, event)
+                elif lazy:
                     self._pending.append(event)
-                self._urgent = True
-                self._prompt = self._prompt or kind in PROMPT
+                else:
+                    if kind != "out" or not _append_output(self._pending, event):
+                        self._pending.append(event)
+                    self._urgent = True
+                    self._prompt = self._prompt or kind in PROMPT
             self._pending_bytes += size
-            self._cond.notify_all()
+            batch = None
+            if self._prompt and not self._writing:
+                batch = self._take()
+            elif not self._writing and was != (True, self._urgent, self._prompt):
+                self._cond.notify_all()
+        if batch is not None:
+            self._write(batch)
         return True
 
+    def _take(self) -> list[Event]:
+        """What is queued, to be written by the caller (``_cond`` held): no one else writes
+        until ``_write`` is done with it."""
+        batch, self._pending = self._pending, []
+        self._pending_bytes, self._urgent, self._prompt = 0, False, False
+        self._writing = True
+        self._room.notify_all()
+        return batch
+
+    def _write(self, batch: list[Event]) -> None:
+        if len(batch) > 1:  # a heartbeat says nothing that another event does not
+            batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
+        failed = False
+        try:
+            for data in _lines(batch):
+                self._sock.sendall(data)
+        except OSError:
+            failed = True
+        with self._cond:
+            if failed:
+                self.alive = False
+                self.dropped += len(batch)
+                self._room.notify_all()
+            self._writing = False
+            self._last = time.monotonic()
+            if self._pending or self._closing or not self.alive:
+                self._cond.notify_all()  # the sender writes what came meanwhile, or ends
+
     def _send_loop(self) -> None:
-        last = 0.0
         while True:
             with self._cond:
                 while True:
                     now = time.monotonic()
-                    if self._closing or not self.alive:
+                    if self._writing:
+                        due = None  # another thread writes: it wakes us if more is queued
+                    elif self._closing or not self.alive:
                         due = now
                     elif not self._pending:
                         due = None
                     elif self._prompt:
                         due = now
                     else:
-                        due = max(last + self._every,
+                        due = max(self._last + self._every,
                                   now if self._urgent else self._since + LAZY_S)
                     if due is not None and due <= now:
                         break
                     self._cond.wait(None if due is None else due - now)
-                batch, self._pending = self._pending, []
-                self._pending_bytes, self._urgent, self._prompt = 0, False, False
-                self._cond.notify_all()
+                batch = self._take()
                 if not batch:
+                    self._writing = False
                     return  # closing, everything sent
                 if not self.alive:
                     self.dropped += len(batch)
+                    self._writing = False
                     continue
-            if len(batch) > 1:  # a heartbeat says nothing that another event does not
-                batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
-            try:
-                for data in _lines(batch):
-                    self._sock.sendall(data)
-            except OSError:
-                with self._cond:
-                    self.alive = False
-                    self.dropped += len(batch)
-                    self._cond.notify_all()
-            last = time.monotonic()
+            self._write(batch)
 
     def _read(self) -> None:
         try:
@@ -199,6 +251,7 @@ class EventClient:
         with self._cond:
             self.alive = False
             self._cond.notify_all()
+            self._room.notify_all()
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then disconnect once the driver has read it all.
@@ -215,6 +268,7 @@ class EventClient:
         with self._cond:
             self.alive = False
             self._cond.notify_all()
+            self._room.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_WR)  # the end of our writes, after the last one
         except OSError:
@@ -257,7 +311,8 @@ def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
     """What one write carries: the events as arrays of up to ``BATCH_LINE_BYTES`` per line
     (each far below the server's ``MAX_LINE_BYTES``); an
     event with binary ``data`` alone on its line, ``"raw": N`` in place of the data, followed
-    by the N bytes (as they are: joining them with the lines would copy them)."""
+    by the N bytes (joined with the lines when small, ``JOIN_BYTES``; else as they are:
+    joining them would copy them)."""
     out: list[bytes | bytearray | memoryview] = []
     text: list[bytes] = []
     groups: list[list[bytes]] = [[]]
@@ -275,7 +330,11 @@ def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
         if isinstance(data, (bytes, bytearray, memoryview)):
             flush()
             head = {k: v for k, v in e.items() if k != "data"}
-            text.append(encode({**head, "raw": memoryview(data).nbytes}))
+            size = memoryview(data).nbytes
+            text.append(encode({**head, "raw": size}))
+            if size <= JOIN_BYTES:  # with the lines around it: one write, one read
+                text.append(bytes(data))
+                continue
             out += [b"".join(text), data]
             text.clear()
             continue

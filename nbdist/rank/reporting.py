@@ -235,6 +235,7 @@ def before_fork() -> None:
     Bar._lock.acquire()
     if channel is not None:
         channel.lock.acquire()
+        channel.flush_held()
 
 
 def after_fork_in_parent() -> None:
@@ -245,6 +246,7 @@ def after_fork_in_parent() -> None:
 
 def after_fork_in_child() -> None:
     if channel is not None:
+        channel.forget_hold()
         channel.lock.release()
     Bar._trailer = None  # the parent's thread; the child starts its own if it needs one
     Bar._late.clear()

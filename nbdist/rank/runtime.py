@@ -48,6 +48,7 @@ from nbdist.protocol import (
     ErrorRecord,
     Frame,
     FrameWriter,
+    NamesEvent,
     Payload,
     Pulled,
     PullPayload,
@@ -148,9 +149,16 @@ def _run_cell(payload: CellPayload) -> Any:
     return eval(compile(last, filename, "eval", flags=flags, dont_inherit=True), ns)
 
 
+#: The marks this interpreter sent. The supervisor keeps the first of each (the launch's), so
+#: a session's later cells do not send theirs: two frames, and two wake-ups of the supervisor,
+#: per rank and cell.
+_marked: set[str] = set()
+
+
 def _mark(name: str) -> None:
     """Stamp a moment of the launch timeline (``nbdist.timeline``) for the supervisor."""
-    if reporting.channel is not None:
+    if reporting.channel is not None and name not in _marked:
+        _marked.add(name)
         reporting.channel.event({"t": "marks", "at": {name: time.time()}})
 
 
@@ -368,6 +376,15 @@ def _mark_synced() -> None:
                 pass
 
 
+def _own_rss() -> int | None:
+    """This interpreter's resident memory in bytes (Linux's ``/proc/self/statm``), or None."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 #: Modules loaded before any payload or warm-up: what every fresh interpreter has anyway.
 _AT_START: set[str] = set()
 
@@ -440,15 +457,28 @@ def _imported_since(before: set[str]) -> list[str]:
     Only packages of the installation (``is_installed``) qualify: the user's own modules may be
     edited before the next run, and a warm interpreter would hold the old code.
     """
-    dirs = installation_dirs()
+    dirs: list[str] | None = None
     names = []
     for name in {n.partition(".")[0] for n in set(sys.modules) - before}:
         if not name or name.startswith("_") or name == "__main__":
             continue
         path = getattr(sys.modules.get(name), "__file__", None)
-        if isinstance(path, str) and is_installed(path, dirs):
+        if not isinstance(path, str):
+            continue
+        installed = _installed.get(path)
+        if installed is None:
+            if dirs is None:
+                dirs = installation_dirs()
+            installed = _installed[path] = is_installed(path, dirs)
+        if installed:
             names.append(name)
     return sorted(names)
+
+
+#: A module's file → whether it is installed (``_imported_since``): a session's rank asks
+#: after every cell, and following the symlinks of each path (``realpath``) took about half of
+#: what a trivial cell cost its rank.
+_installed: dict[str, bool] = {}
 
 
 _SITE_NAMES = ("site-packages", "dist-packages")
@@ -600,68 +630,78 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
             _set_env(json.loads(frame[1]))
             continue
         payload: Payload = _load_payload(frame[1])
-        reporting.bridge_tqdm()
-        chan.event({"t": "state", "state": "running"})
         try:
-            _interruptible.set()
+            reporting.bridge_tqdm()
+            chan.event({"t": "state", "state": "running"})
             try:
-                _cells.start(payload.get("cell"))
-                value = _run(payload)
+                _interruptible.set()
+                try:
+                    _cells.start(payload.get("cell"))
+                    value = _run(payload)
+                finally:
+                    # What follows (the end mark, modules, names, value or error) goes to the
+                    # supervisor in one write (see ``FrameWriter.hold``).
+                    chan.hold()
+                    _mark("end")
+                    _interruptible.clear()
+                    _cells.end()
+                    _restore_outputs()
+            except BaseException as exc:
+                # sys.exit(0) (or exit(), sys.exit()) ends the rank's code successfully with no
+                # value, as a script's exit status 0 does under torchrun. Any other SystemExit is
+                # a failure. In a session it ends the cell, never the rank: the session and its
+                # variables stay, as a Jupyter kernel stays after a cell's sys.exit.
+                if isinstance(exc, SystemExit) and _is_plain(exc.code) and exc.code in (None, 0):
+                    value = None
+                else:
+                    _flush_all()
+                    if payload.get("session"):
+                        _mark_synced()
+                        debugger.last_traceback = exc.__traceback__  # for %dist_debug
+                    chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
+                    if not payload.get("keep"):
+                        return
+                    continue
             finally:
-                _mark("end")
-                _interruptible.clear()
-                _cells.end()
-                _restore_outputs()
-        except BaseException as exc:
-            # sys.exit(0) (or exit(), sys.exit()) ends the rank's code successfully with no
-            # value, as a script's exit status 0 does under torchrun. Any other SystemExit is
-            # a failure. In a session it ends the cell, never the rank: the session and its
-            # variables stay, as a Jupyter kernel stays after a cell's sys.exit.
-            if isinstance(exc, SystemExit) and _is_plain(exc.code) and exc.code in (None, 0):
-                value = None
-            else:
-                _flush_all()
+                chan.event({"t": "modules", "names": _imported_since(_AT_START)})
                 if payload.get("session"):
-                    _mark_synced()
-                    debugger.last_traceback = exc.__traceback__  # for %dist_debug
-                chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
-                if not payload.get("keep"):
-                    return
-                continue
-        finally:
-            chan.event({"t": "modules", "names": _imported_since(_AT_START)})
+                    names: NamesEvent = {"t": "names", "names": session_names()}
+                    rss = _own_rss()
+                    if rss is not None:
+                        names["rss"] = rss
+                    chan.event(names)
+            _flush_all()
             if payload.get("session"):
-                chan.event({"t": "names", "names": session_names()})
-        _flush_all()
-        if payload.get("session"):
-            _mark_synced()
-        try:
-            # A session's value goes in pieces (``%dist_pull`` of a large one: nbdist.values).
-            segments = values.dumps(value) if payload.get("session") else [
-                memoryview(cloudpickle.dumps(value))]
-        except Exception as exc:
-            chan.send(Frame.ERROR, json.dumps({
-                "type": "PicklingError",
-                "message": f"the cell's value of type {type(value).__qualname__} cannot be "
-                f"pickled to return it to the notebook: {_type_name(exc)}: {_message(exc)}",
-                "traceback": "",
-            }).encode())
-        else:
-            # The type travels apart from the value, so a driver that cannot unpickle the
-            # value can still say what it was.
-            kind = type(value)
-            name = f"{kind.__module__}.{kind.__qualname__}"
-            if payload.get("session"):
-                chan.event({"t": "result", "type": name, "sizes": [s.nbytes for s in segments],
-                            "bytes": values.bytes_segments(segments)})
-                for seg in segments:
-                    for start in range(0, seg.nbytes, values.CHUNK):
-                        chan.send(Frame.PIECE, seg[start:start + values.CHUNK])
-                chan.send(Frame.RESULT, b"")
+                _mark_synced()
+            try:
+                # A session's value goes in pieces (``%dist_pull`` of a large one: nbdist.values).
+                segments = values.dumps(value) if payload.get("session") else [
+                    memoryview(cloudpickle.dumps(value))]
+            except Exception as exc:
+                chan.send(Frame.ERROR, json.dumps({
+                    "type": "PicklingError",
+                    "message": f"the cell's value of type {type(value).__qualname__} cannot be "
+                    f"pickled to return it to the notebook: {_type_name(exc)}: {_message(exc)}",
+                    "traceback": "",
+                }).encode())
             else:
-                chan.event({"t": "result", "type": name})
-                chan.send(Frame.RESULT, segments[0])
-            del segments
+                # The type travels apart from the value, so a driver that cannot unpickle the
+                # value can still say what it was.
+                kind = type(value)
+                name = f"{kind.__module__}.{kind.__qualname__}"
+                if payload.get("session"):
+                    chan.event({"t": "result", "type": name, "sizes": [s.nbytes for s in segments],
+                                "bytes": values.bytes_segments(segments)})
+                    for seg in segments:
+                        for start in range(0, seg.nbytes, values.CHUNK):
+                            chan.send(Frame.PIECE, seg[start:start + values.CHUNK])
+                    chan.send(Frame.RESULT, b"")
+                else:
+                    chan.event({"t": "result", "type": name})
+                    chan.send(Frame.RESULT, segments[0])
+                del segments
+        finally:
+            chan.release()
         if not payload.get("keep"):
             return
 

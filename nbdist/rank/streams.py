@@ -20,10 +20,16 @@ if TYPE_CHECKING:
 
 def flush_c_stdio() -> None:
     """Flush the C stdio buffers of extensions (what ``printf`` in C code holds back)."""
+    global _libc
     try:
-        ctypes.CDLL(None).fflush(None)
+        if _libc is None:
+            _libc = ctypes.CDLL(None)  # a dlopen: once, not at every cell's end
+        _libc.fflush(None)
     except Exception:
         pass
+
+
+_libc: ctypes.CDLL | None = None
 
 
 #: While a stream carries less than this, every line is written as it is printed: a line printed

@@ -30,14 +30,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol, cast
 
 from nbdist import channel, protocol, timeline
 from nbdist._timer import after
 from nbdist.lines import LineBatcher, cut_long_lines
 from nbdist.protocol import (
+    DriverEvent,
     ErrorRecord,
     Frame,
     HelloEvent,
@@ -155,6 +156,9 @@ class RankProcess:
         #: will never be warmer: a pool that let it go must not be waited for).
         self.warm = threading.Event()
         self._room = threading.Semaphore(PIECES_QUEUED)
+        #: Frames are written whole: the driver's messages come on the event channel's reader
+        #: thread, and a session's cells from the notebook's thread (``Supervisor.deliver``).
+        self._send_lock = threading.Lock()
         threading.Thread(
             target=self._read, args=(os.fdopen(ctl_out_r, "rb"),), daemon=True
         ).start()
@@ -188,7 +192,8 @@ class RankProcess:
     def send(self, kind: int, body: bytes) -> bool:
         """Write a frame; False if the interpreter is gone."""
         try:
-            write_frame(self.ctl_in, kind, body)
+            with self._send_lock:
+                write_frame(self.ctl_in, kind, body)
         except (BrokenPipeError, ValueError):  # ValueError: already closed
             return False
         return True
@@ -329,8 +334,9 @@ class Supervisor:
         self._escapees: list[Any] = []
         self._oom = OomWatch()  # the rank's memory cgroups, to tell an OOM kill when it dies
         self._sampler: Sampler | None = None
+        self._reported_rss: int | None = None  # the rank's own memory after its last cell
         #: What the rank runs: all that differs between a job's rank and a session's.
-        self._work: RankWork = (SessionCells(spec.secret, self._send, self._rank_rss)
+        self._work: RankWork = (SessionCells(spec.secret, self._send_all, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
@@ -360,6 +366,16 @@ class Supervisor:
         else:
             self._work.on_message(msg, self._rp)
 
+    def deliver(self, msg: DriverEvent) -> bool:
+        """A driver message handed over in the driver's process (``LocalLauncher.deliver``),
+        as if it came on the event channel; False while the channel is not up (the driver
+        then sends it there, and learns that the rank is not connected)."""
+        client = self._client
+        if client is None or not client.alive:
+            return False
+        self._on_message(cast(channel.Event, msg))
+        return True
+
     def world(self) -> dict[str, str]:
         """The rank's environment from the rendezvous (empty before it)."""
         return dict(self._world_env)
@@ -379,18 +395,24 @@ class Supervisor:
         rp = self._rp
         return self._rank_pid or (rp.pid if rp is not None else None)
 
-    def _send(self, event: RankEvent) -> None:
+    def _send(self, event: RankEvent, lazy: bool = False) -> None:
+        self._send_all((event,), lazy)
+
+    def _send_all(self, events: Sequence[RankEvent], lazy: bool = False) -> None:
+        """Send ``events`` together (one write); count what is lost. ``lazy``: they may wait
+        for other events to go with (``EventClient.send_all``)."""
         client = self._client
-        if client is not None and client.send(event):
+        if client is not None and client.send_all(events, lazy):
             return
         # Lost: without a channel, or the channel broke. Counted, so the driver can say so.
-        kind = event.get("t")
         with self._lock:  # the pumps, the control reader and the heartbeat all send
-            if kind == "out":
-                # Whole lines, as the driver counts them (a "\r" redraw of a bar is not one).
-                self._lost_lines += str(event.get("text", "")).count("\n")
-            elif kind not in ("hb", "state", "res", "marks"):  # bookkeeping is no loss
-                self._dropped += 1
+            for event in events:
+                kind = event.get("t")
+                if kind == "out":
+                    # Whole lines, as the driver counts them (a "\r" redraw of a bar is not one).
+                    self._lost_lines += str(event.get("text", "")).count("\n")
+                elif kind not in ("hb", "state", "res", "marks"):  # bookkeeping is no loss
+                    self._dropped += 1
 
     # -- life -----------------------------------------------------------------------------------
     def run(self) -> RankOutcome:
@@ -677,7 +699,7 @@ class Supervisor:
                 elif event.get("t") == "modules":
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
-                    self._send(event)  # the interpreter's: progress, metrics, its state
+                    self._forward(event)
             elif kind == Frame.PIECE:
                 self._work.piece(body)
                 rp.piece_done()
@@ -690,6 +712,18 @@ class Supervisor:
             elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
+
+    def _forward(self, event: Any) -> None:
+        """An event of the interpreter's on to the driver: progress, metrics, its state, a
+        session cell's names (with the rank's own memory, kept for the cell's end)."""
+        kind = event.get("t")
+        if kind == "names":
+            rss = event.get("rss")
+            self._reported_rss = rss if type(rss) is int else None
+        elif kind == "state":  # a cell starts (a failed cell's names come after its end)
+            self._reported_rss = None
+        self._send(event, self._work.lazy_start and kind == "state"
+                   and event.get("state") == "running")
 
     def _answer_stacks(self, req: Any) -> None:
         text, error = self.stacks()
@@ -728,10 +762,13 @@ class Supervisor:
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
-        with the rank and would count them twice)."""
-        rp = self._rp
-        pid = self._rank_pid or (rp.pid if rp is not None else None)
-        return _rss(pid) if pid is not None else None
+        with the rank and would count them twice): what the rank said of its own after the
+        cell, with its children's at the last sample; or as ``Sampler.rss_now`` measures it."""
+        own, self._reported_rss = self._reported_rss, None
+        sampler = self._sampler
+        if own is not None:
+            return own + (sampler.children_rss if sampler is not None else 0)
+        return sampler.rss_now() if sampler is not None else None
 
     def _pump(self, pipe: Any, stream: Literal["o", "e"]) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
@@ -744,6 +781,11 @@ class Supervisor:
         work, rp = self._work, self._rp
         marker = rp.sync_marker if rp is not None else ""
         batcher = LineBatcher(lambda text: work.strip_sync(marker, text))
+        # Read into one buffer: ``os.read(fd, PIPE_BYTES)`` allocates (and maps) a fresh MiB
+        # per read, ~20 µs where this costs 1.5, paid by 2 pumps per rank at every session
+        # cell's end (its sync markers).
+        buf = bytearray(PIPE_BYTES)
+        view = memoryview(buf)
         stopping = False  # the supervisor said stop: one more read of what is there
         # poll, not select.select: a kernel (or Spark worker) holding more than 1024 files gets
         # pipe descriptors above select's FD_SETSIZE, which it refuses.
@@ -764,9 +806,10 @@ class Supervisor:
                         gap = batcher.last_sent + BATCH_S - time.monotonic()
                         if gap > 0:
                             time.sleep(gap)
-                        data = os.read(fd, PIPE_BYTES)
-                        if not data:
+                        n = os.readv(fd, [buf])
+                        if not n:
                             break
+                        data = bytes(view[:n])
                         chunks, marks = batcher.feed(data, time.monotonic())
                         if marks:
                             # A session cell ended: what it printed goes now, then its value.
@@ -872,17 +915,6 @@ def _reserve_port() -> socket.socket | None:
             continue
         return sock
     return None  # no TF_CONFIG for this job, which only TensorFlow's own jobs would miss
-
-
-def _rss(pid: int) -> int | None:
-    """Resident memory of the rank and its children, in bytes (shown by ``%dist_session``)."""
-    try:
-        import psutil
-
-        proc = psutil.Process(pid)
-        return int(sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]))
-    except Exception:  # psutil.Error: the rank is gone; ImportError: psutil is missing
-        return None
 
 
 def _descendants(pid: int) -> list[Any]:

@@ -306,6 +306,9 @@ class Misdirected:
     def cancel(self) -> None:
         self.launcher.cancel()
 
+    def deliver(self, rank: int, event: Any) -> bool:
+        return self.launcher.deliver(rank, event)
+
 
 def misdirected_job(target: Target, src: str, np: int = 2) -> tuple[Job, Misdirected]:
     """A job whose ranks cannot reach the driver's event server (see :class:`Misdirected`)."""

@@ -21,10 +21,14 @@ def test_spark_ranks_report_resources_and_a_timeline_from_their_task_start(
         tmp_path: Path, spark_local: SparkSession) -> None:
     """Spark ranks sample their resources like local ones, and their trace starts when the
     barrier task started, with every phase in order per rank."""
-    job = nbdist.run(_busy, 6.0, np=2, backend="spark")
-    wait_for(lambda: all(r.resources is not None and (r.resources.cpu or 0) > 30
-                         and (r.resources.rss or 0) > 150e6 for r in job.state.ranks), 120,
-             "both Spark ranks' CPU and memory samples")
+    release = tmp_path / "release"  # local mode: the executors share this file system
+    job = nbdist.run(_busy, str(release), np=2, backend="spark")
+    try:  # the ranks spin until both samples are seen (test_timeline's local test says why)
+        wait_for(lambda: all(r.resources is not None and (r.resources.cpu or 0) > 5
+                             and (r.resources.rss or 0) > 150e6 for r in job.state.ranks), 120,
+                 "both Spark ranks' CPU and memory samples")
+    finally:
+        release.touch()
     assert job.result(timeout=200) == 0
     path = tmp_path / "spark.json"
     timeline_view.export_trace(job.state, str(path))
