@@ -38,10 +38,13 @@ from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.channel import PROMPT
 from nbdist.launch import local
+from nbdist.options import JobOptions
 from nbdist.rank import client
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 50
+#: CPU ranks (gloo) also on a machine with GPUs, where a local job would give each rank one.
+CPU = JobOptions(gpu=False)
 
 TRIVIAL = "import os\nint(os.environ['RANK'])"
 
@@ -88,7 +91,7 @@ def fresh(cell: str, np: int) -> tuple[float, float]:
     local.pool.clear()
     start = time.perf_counter()
     payload = capture_cell(cell, {}).payload()
-    times = _timed(jobs.start(payload, -np), start)
+    times = _timed(jobs.start(payload, -np, CPU), start)
     local.pool.clear()
     return times
 
@@ -108,7 +111,7 @@ def serve(np_: int, old_pace: bool) -> int:
     """``--serve NP``: a live session of ``np_`` ranks that runs the trivial cell once for each
     ``go`` line on stdin and answers its seconds (``old_pace``: a cell's end paced)."""
     paced(old_pace)
-    live = sessions.start(-np_)
+    live = sessions.start(-np_, CPU)
     try:
         live.wait_ready(120)
         print("ready", flush=True)
@@ -230,7 +233,7 @@ def main() -> int:
         first, total = fresh(SETUP + LOOP, 2)
         start_fresh.append(first)
         total_fresh.append(total)
-        live = sessions.start(-2)
+        live = sessions.start(-2, CPU)
         try:
             on_session(live, SETUP)
             first, total = on_session(live, LOOP)
