@@ -103,9 +103,15 @@ MAX_WRITES_PER_S = 400
 LARGE_FROM = 256
 LARGE_JOB = 1024
 LARGE_WRITES_PER_S = 250
-#: Longest interval the server asks for: two heartbeats, so that no rank looks silent (three,
-#: ``protocol.SILENT_AFTER_S``) because of its pace.
-MAX_EVERY_S = 10.0
+#: Longest interval the server asks for: one heartbeat (``protocol.HEARTBEAT_S``), so that a
+#: rank's heartbeats still arrive every 5 s, well within the shortest heartbeat timeout a
+#: remote job may be given (``launch.MIN_HEARTBEAT_TIMEOUT_S``, 10 s) and the 15 s after which
+#: the views call a rank silent. (10 s, two heartbeats, made a job of 2,500 ranks or more with
+#: ``--heartbeat-timeout 10`` see its ranks as unheard.)
+MAX_EVERY_S = 5.0
+#: However the closes go on (a job whose ranks end one by one, under a second apart), the
+#: shorter pace is told at most this long after the first of them.
+REPACE_AT_MOST_S = 5.0
 #: The pace told to clients changes only when it is off by more than this factor, so ranks
 #: connecting one by one cause a handful of broadcasts, not one per rank.
 _PACE_STEP = 1.25
@@ -197,6 +203,7 @@ class EventServer:
         self._rview = memoryview(self._rbuf)
         self._pace = SEND_EVERY_S  # the write interval last told to the clients
         self._repace_at = 0.0  # when to tell the clients a shorter one (0: not due)
+        self._repace_first = 0.0  # the first close since the last time it was told
         self._prompt = False  # this wake-up delivered the end of a session cell (PROMPT)
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -375,7 +382,10 @@ class EventServer:
                 entry[1].on_disconnect(conn.rank)
             except Exception:
                 log.exception("nbdist: a job's disconnect handler failed")
-        self._repace_at = time.monotonic() + REPACE_AFTER_S  # (see REPACE_AFTER_S)
+        now = time.monotonic()  # (see REPACE_AFTER_S and REPACE_AT_MOST_S)
+        if not self._repace_at:
+            self._repace_first = now
+        self._repace_at = min(now + REPACE_AFTER_S, self._repace_first + REPACE_AT_MOST_S)
 
     def _serve(self, conn: _Conn, flags: int = 0) -> None:
         """Read from one connection; whatever goes wrong closes it, never the server."""

@@ -11,7 +11,7 @@ from typing import cast
 
 import pytest
 
-from nbdist import channel, events, state
+from nbdist import channel, events, launch, state
 from nbdist.rank.client import LAZY_S, EventClient
 
 from . import hostile
@@ -255,6 +255,35 @@ def test_the_server_paces_its_clients_by_how_many_are_connected(
     readers[0][1].close()
 
 
+def test_the_shorter_pace_comes_at_most_repace_at_most_s_after_the_first_close(
+    server: events.EventServer, raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Closes that would postpone the shorter pace for a minute (REPACE_AFTER_S) still have it
+    told REPACE_AT_MOST_S after the first of them: a job ending rank by rank does not keep its
+    neighbours on its slow pace."""
+    monkeypatch.setattr(events, "MAX_WRITES_PER_S", 100)
+    monkeypatch.setattr(events, "REPACE_AFTER_S", 60.0)
+    monkeypatch.setattr(events, "REPACE_AT_MOST_S", 0.5)
+    rec, secret = Recorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    readers = []
+    for rank in range(3):
+        sock, nonce = raw()
+        sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": rank,
+                                    "mac": channel.sign(secret, nonce, "j1", rank)}))
+        readers.append((sock, sock.makefile("rb")))
+    wait_for(lambda: len(rec.connected) == 3, 10, "three ranks")
+    sock0, reader0 = readers[0]
+    while json.loads(reader0.readline())["every"] != pytest.approx(0.03):
+        pass
+    for sock, reader in readers[1:]:
+        reader.close()
+        sock.close()
+    sock0.settimeout(30)  # without the bound the pace would come after 60 s: fail at 30
+    assert json.loads(reader0.readline())["every"] == pytest.approx(0.01)
+    reader0.close()
+
+
 def test_large_jobs_are_asked_for_fewer_writes_and_no_rank_for_a_silent_interval() -> None:
     """Up to 256 ranks the server aims at 400 writes a second, at 1024 ranks and beyond at 250,
     and never asks for an interval that would make a rank look silent."""
@@ -262,8 +291,11 @@ def test_large_jobs_are_asked_for_fewer_writes_and_no_rank_for_a_silent_interval
         [channel.SEND_EVERY_S, 0.01, 0.04, 0.64])
     assert 512 / events.pace_for(512) == pytest.approx(350)
     assert events.pace_for(1024) == pytest.approx(1024 / 250)
-    assert events.pace_for(2048) == pytest.approx(2048 / 250)
-    assert events.pace_for(100_000) == events.MAX_EVERY_S < state.SILENT_AFTER_S
+    assert events.pace_for(1200) == pytest.approx(1200 / 250)
+    # Beyond, one heartbeat: heartbeats arrive well within the shortest heartbeat timeout.
+    assert events.pace_for(2048) == events.pace_for(100_000) == events.MAX_EVERY_S
+    assert events.MAX_EVERY_S <= state.HEARTBEAT_S
+    assert 2 * events.MAX_EVERY_S <= launch.MIN_HEARTBEAT_TIMEOUT_S
 
 
 def _paced_client(server: events.EventServer) -> tuple[Recorder, EventClient]:
