@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 
 from nbdist.protocol import RankOutcome
 
@@ -53,8 +54,25 @@ def peer_lost(outcome: RankOutcome) -> bool:
 
 
 def killed(outcome: RankOutcome) -> bool:
-    """Whether a signal nbdist did not send ended the rank (SIGKILL, a segfault)."""
-    return outcome.error is None and outcome.exit_code is not None and outcome.exit_code < 0
+    """Whether a signal nbdist did not send ended the rank (SIGKILL, a segfault), other than
+    an abort (:func:`aborted`)."""
+    return (outcome.error is None and outcome.exit_code is not None and outcome.exit_code < 0
+            and outcome.exit_code != -signal.SIGABRT)
+
+
+def aborted(outcome: RankOutcome) -> bool:
+    """Whether the rank ended by ``abort()`` (SIGABRT) without a Python exception.
+
+    Not always a cause: NCCL's error handling aborts a surviving rank's process once a peer is
+    gone (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), with a watchdog's lines in the rank's last
+    output; a C++ assertion aborts too, as a cause."""
+    return (outcome.error is None and outcome.exit_code is not None
+            and outcome.exit_code == -signal.SIGABRT)
+
+
+def _abort_after_peer(outcome: RankOutcome) -> bool:
+    """An abort whose last output says a collective lost its peer (NCCL's watchdog)."""
+    return aborted(outcome) and any(PEER_LOSS.search(line) for line in outcome.tail)
 
 
 def root_cause(failed: list[RankOutcome], heard: int | None) -> int:
@@ -63,15 +81,21 @@ def root_cause(failed: list[RankOutcome], heard: int | None) -> int:
     ``heard`` is the rank whose failure the driver heard of first over the event channel
     (None when nothing was heard). In order:
 
-    1. a rank killed by a signal nbdist did not send: its peers' errors (a connection reset)
-       follow from it, whichever was heard first;
-    2. a rank whose error is not a peer-loss consequence (:func:`peer_lost`) over those whose
-       errors are;
-    3. between equals: the one heard first, else the one that ended first (``ended``, as its
-       host's clock saw it), else the lowest rank.
+    1. a rank killed by a signal nbdist did not send (not an abort): its peers' errors (a
+       connection reset) follow from it, whichever was heard first;
+    2. a rank whose error is not a peer-loss consequence (:func:`peer_lost`);
+    3. a rank that aborted (SIGABRT) without its last output blaming a lost peer;
+    4. the rest: peer losses, and aborts after one (NCCL's watchdog);
+
+    and between equals: the one heard first, else the one that ended first (``ended``, as its
+    host's clock saw it), else the lowest rank.
     """
-    candidates = [o for o in failed if killed(o)] or [
-        o for o in failed if not peer_lost(o)] or failed
+    tiers = (
+        [o for o in failed if killed(o)],
+        [o for o in failed if not killed(o) and not aborted(o) and not peer_lost(o)],
+        [o for o in failed if aborted(o) and not _abort_after_peer(o)],
+    )
+    candidates = next((tier for tier in tiers if tier), failed)
     for o in candidates:
         if o.rank == heard:
             return o.rank

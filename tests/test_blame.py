@@ -106,6 +106,32 @@ def test_a_signal_still_comes_before_a_real_error() -> None:
     assert blame.root_cause(failed, 0) == 2 and blame.root_cause(failed, None) == 2
 
 
+#: The last lines of a rank that NCCL's error handling aborted after a peer went (torch 2.x).
+NCCL_ABORT_TAIL = [
+    "[rank0]:[E ProcessGroupNCCL.cpp:1595] [PG 0 Rank 0] Process group watchdog thread "
+    "terminated with exception: NCCL error: remote process exited or there was a network error",
+    "terminate called after throwing an instance of 'c10::DistBackendError'",
+]
+
+
+def test_an_abort_after_a_lost_peer_yields_to_the_error_that_caused_it() -> None:
+    """Rank 0 aborted by NCCL's watchdog once rank 1 raised (heard first or not): rank 1's
+    ValueError is named; an abort without a lost peer in its last output still comes before
+    lost peers, and a SIGKILL before everything."""
+    nccl_abort = RankOutcome(0, RankStatus.FAILED, exit_code=-6, tail=NCCL_ABORT_TAIL, ended=1.0)
+    real = raised(1, "ValueError", "bad shard 7", ended=2.0)
+    assert blame.root_cause([nccl_abort, real], 0) == 1
+    assert blame.root_cause([nccl_abort, real], None) == 1
+    assert failure_of([nccl_abort, real], 2, heard=0).startswith(
+        "rank 1 of 2 failed: ValueError: bad shard 7 (ranks 0 failed after it)")
+    assertion = RankOutcome(2, RankStatus.FAILED, exit_code=-6, tail=["Assertion failed"])
+    lost = raised(3, "RuntimeError", GLOO_CLOSED, ended=0.5)
+    assert blame.root_cause([lost, assertion, nccl_abort], 3) == 2
+    assert blame.root_cause([nccl_abort, lost], None) == 3  # both consequences: first to end
+    sigkill = RankOutcome(4, RankStatus.FAILED, exit_code=-9)
+    assert blame.root_cause([real, assertion, sigkill], 1) == 4
+
+
 def lost_peer_after_rank_1_raises() -> int:
     import torch
     import torch.distributed as dist
