@@ -64,6 +64,9 @@ RENDER_SHARE = 0.005
 #: a render of 1024 ranks on a loaded machine 8-12 ms, and such a panel's ranks each write
 #: every 2.56 s, so waiting up to 2 s keeps it at its share without showing much less).
 MAX_RENDER_WAIT_S = 2.0
+#: ... and a panel of a few ranks (``MAX_ROWS`` or fewer: a row each, not collapsed) never
+#: longer than this: its renders are cheap but for the log pane, and its user watches each bar.
+SMALL_RENDER_WAIT_S = 0.5
 #: Above this many ranks, rows collapse into a summary plus the ranks worth looking at, and
 #: every rank is listed by host in groups that start closed.
 MAX_ROWS = 16
@@ -293,8 +296,9 @@ class Panel(BackgroundRenderer):
             cpu = time.thread_time() - cpu
             if self.job.status in FINAL and self.job.ended is not None:
                 break
+            longest = MAX_RENDER_WAIT_S if self.collapsed else SMALL_RENDER_WAIT_S
             self._stop.wait(max(interval, sent / MESSAGES_PER_S,
-                                min(MAX_RENDER_WAIT_S, cpu / RENDER_SHARE)))
+                                min(longest, cpu / RENDER_SHARE)))
         self._finish()
 
     # -- rendering ----------------------------------------------------------------------------
