@@ -190,13 +190,28 @@ class RankProcess:
         return self.proc.poll() is None
 
     def send(self, kind: int, body: bytes) -> bool:
-        """Write a frame; False if the interpreter is gone."""
-        try:
-            with self._send_lock:
+        """Write a frame; False if the interpreter is gone.
+
+        Anything that stops a frame half-written (a KeyboardInterrupt in the notebook's thread
+        while the pipe is full) closes the pipe, then is raised: the interpreter would read
+        the frames after it as garbage and never hear of an interrupt again; this way it sees
+        its supervisor gone and ends (its rank fails, with the reason)."""
+        with self._send_lock:
+            try:
                 write_frame(self.ctl_in, kind, body)
-        except (BrokenPipeError, ValueError):  # ValueError: already closed
-            return False
+            except (BrokenPipeError, ValueError):  # ValueError: already closed
+                return False
+            except BaseException:
+                self._abandon()
+                raise
         return True
+
+    def _abandon(self) -> None:
+        """Close the control pipe without writing what its buffer holds (half a frame)."""
+        try:
+            self.ctl_in.raw.close()  # the buffered file then closes without a flush
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Let go of the interpreter: it kills its own process group when it sees this."""
