@@ -778,12 +778,13 @@ class Supervisor:
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
         with the rank and would count them twice): what the rank said of its own after the
-        cell, with its children's at the last sample; or as ``Sampler.rss_now`` measures it."""
+        cell, with its children's at the last sample (``Sampler.rss_with``); or as
+        ``Sampler.rss_now`` measures it."""
         own, self._reported_rss = self._reported_rss, None
         sampler = self._sampler
-        if own is not None:
-            return own + (sampler.children_rss if sampler is not None else 0)
-        return sampler.rss_now() if sampler is not None else None
+        if sampler is None:
+            return own
+        return sampler.rss_now() if own is None else sampler.rss_with(own)
 
     def _pump(self, pipe: Any, stream: Literal["o", "e"]) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
