@@ -639,11 +639,14 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                     _cells.start(payload.get("cell"))
                     value = _run(payload)
                 finally:
+                    # First: an interrupt (``_cells.interrupt``) from here on is ignored, never
+                    # raised in this cleanup (skipping the rest of it, and leaving the next
+                    # interrupt to end the serve loop, and the rank, between cells).
+                    _interruptible.clear()
                     # What follows (the end mark, modules, names, value or error) goes to the
                     # supervisor in one write (see ``FrameWriter.hold``).
                     chan.hold()
                     _mark("end")
-                    _interruptible.clear()
                     _cells.end()
                     _restore_outputs()
             except BaseException as exc:
