@@ -719,17 +719,26 @@ def _guard_forks(pacer: Pacer) -> None:
     ranks themselves.
     """
 
+    # Each hook runs both halves whatever the first raises: Python forks all the same (it
+    # prints what a hook raised), and a half skipped would leave its locks held for good, or
+    # release in the after-hooks a lock its before-hook never took.
     def before() -> None:
-        reporting.before_fork()
-        pacer.before_fork()
+        try:
+            reporting.before_fork()
+        finally:
+            pacer.before_fork()
 
     def parent() -> None:
-        pacer.after_fork_in_parent()
-        reporting.after_fork_in_parent()
+        try:
+            pacer.after_fork_in_parent()
+        finally:
+            reporting.after_fork_in_parent()
 
     def child() -> None:
-        pacer.after_fork_in_child()
-        reporting.after_fork_in_child()
+        try:
+            pacer.after_fork_in_child()
+        finally:
+            reporting.after_fork_in_child()
 
     os.register_at_fork(before=before, after_in_parent=parent, after_in_child=child)
 
