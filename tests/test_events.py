@@ -539,3 +539,16 @@ def test_a_reconnect_storm_leaves_one_connection_per_rank(server: events.EventSe
         client.close()
     wait_for(lambda: not server._conns, 10, "the last one gone")
     wait_for(lambda: psutil.Process().num_fds() <= fds_before, 10, "no descriptor left")
+
+
+def test_events_after_a_large_block_share_one_line() -> None:
+    """The events that follow a binary block over ``BATCH_LINE_BYTES`` in a write still go
+    together in one line (before: the block's size counted as the next line's, which then
+    held one event alone)."""
+    from nbdist.rank.client import BATCH_LINE_BYTES, _lines
+
+    block = b"\0" * (2 * BATCH_LINE_BYTES)
+    after = [{"t": "out", "s": "o", "text": f"{i}\n"} for i in range(3)]
+    written = _lines([{"t": "cell_data", "cell": 1, "data": block}, *after])
+    assert written[1] is block  # the block as it is, not copied
+    assert bytes(written[-1]) == json.dumps(after, separators=(",", ":")).encode() + b"\n"

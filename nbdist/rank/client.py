@@ -330,9 +330,9 @@ def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
         if isinstance(data, (bytes, bytearray, memoryview)):
             flush()
             head = {k: v for k, v in e.items() if k != "data"}
-            size = memoryview(data).nbytes
-            text.append(encode({**head, "raw": size}))
-            if size <= JOIN_BYTES:  # with the lines around it: one write, one read
+            raw = memoryview(data).nbytes  # not ``size``: that counts the line's bytes
+            text.append(encode({**head, "raw": raw}))
+            if raw <= JOIN_BYTES:  # with the lines around it: one write, one read
                 text.append(bytes(data))
                 continue
             out += [b"".join(text), data]
