@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from nbdist import _pickling, blame, channel, events, launch, logfiles, state, timeline, tracking
@@ -480,11 +480,17 @@ class Job(Handle):
         for event in events:
             if event.get("t") == "out" and isinstance(text := event.get("text"), str):
                 self._logs.write(rank, text)
-        self.state.apply_many(rank, events)
-        if rank == 0 and self._mlflow is not None:
-            for event in events:
-                if event.get("t") == "metrics":
-                    self._mlflow.put(event.get("values") or {})
+        mlflow = self._mlflow if rank == 0 else None
+        if mlflow is None:
+            self.state.apply_many(rank, events)
+            return
+        folded: list[Mapping[str, Any]] = []
+        try:
+            self.state.apply_many(rank, events, folded)
+        finally:  # the metrics of the events that folded, even if another one raised
+            for done in folded:
+                if done.get("t") == "metrics":
+                    mlflow.put(done.get("values") or {})
 
     def block_buffer(self, rank: int, event: channel.Event) -> memoryview | None:
         """Where a binary block goes (``events.JobChannel``); a plain job takes none."""

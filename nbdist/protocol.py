@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import pickle
 import signal
 import struct
@@ -50,7 +51,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, BinaryIO, Literal, TypedDict
+from typing import Any, BinaryIO, Literal, TypedDict, cast
 
 
 class RankStatus(str, Enum):
@@ -173,8 +174,20 @@ class FrameWriter:
 
     def flush_held(self) -> None:
         """Write what is held, with ``lock`` taken (before a fork: a child that inherited the
-        frames in the buffer would send them a second time)."""
-        self._f.flush()
+        frames in the buffer would send them a second time).
+
+        Never raises: where the pipe is broken (the supervisor is gone) nobody can read what
+        was held, so it is dropped, and so is what is sent from then on (the rank ends once it
+        sees its control pipe close). A fork hook that raised would leave locks held."""
+        try:
+            self._f.flush()
+        except (OSError, ValueError):  # ValueError: closed
+            broken, self._f = self._f, cast(BinaryIO, open(os.devnull, "wb"))
+            raw = getattr(broken, "raw", None)
+            try:  # the raw file: a buffered one's close would try to write what it holds
+                (raw if raw is not None else broken).close()
+            except (OSError, ValueError):
+                pass
 
     def forget_hold(self) -> None:
         """In a forked child: write each frame at once (nobody will ``release`` it here)."""

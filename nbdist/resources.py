@@ -179,8 +179,10 @@ class Sampler:
         #: whole, never edited.
         self._root: Any = None
         self._children: tuple[Any, ...] = ()
-        #: Resident memory of the rank's descendants at the last sample.
-        self.children_rss = 0
+        #: Resident memory of the descendants of the process the last sample measured, and
+        #: that process's pid: until the rank's interpreter says which it is, the sampled
+        #: process may be its guardian, whose descendants are the rank itself and its own.
+        self._children_rss: tuple[int | None, int] = (None, 0)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbdist-resources")
 
     def start(self) -> None:
@@ -241,7 +243,7 @@ class Sampler:
             used += total - self._cpu.get(key, 0.0)
         if self._seen is not None:
             self._seen(pid)
-        self.children_rss = rss - root_rss
+        self._children_rss = (pid, rss - root_rss)
         self.peak_rss = max(self.peak_rss or 0, rss, _high_water(pid))
         event: ResourcesEvent = {"t": "res", "rss": rss, "peak": self.peak_rss}
         if self._last:
@@ -251,6 +253,16 @@ class Sampler:
             event["gpus"] = gpus.sample()
         return event
 
+
+    def rss_with(self, own: int) -> int | None:
+        """The rank's memory from its ``own`` (which it read itself after a cell) and its
+        children's at the last sample, where that sample measured the rank; else as
+        :meth:`rss_now` measures it (a sample of its guardian, taken before the rank said
+        which process it is, counted the rank among the children: the rank twice)."""
+        root, children = self._children_rss
+        if root is not None and root == self._pid():
+            return own + children
+        return self.rss_now()
 
     def rss_now(self) -> int | None:
         """Resident memory of the rank and of the descendants the last sample found, now

@@ -58,6 +58,13 @@ INTERRUPT_GRACE_S = 5.0
 STOP_S = 10.0
 #: The idle-timeout warning comes this long before the session is stopped (or at half way).
 IDLE_WARNING_S = 60.0
+#: A cell's payload up to this size goes to a local rank's supervisor as a call from the
+#: notebook's thread (``Launcher.deliver``), which writes it into the rank's control pipe: it
+#: fits the pipe (64 KiB), so the write never waits for the rank. A larger one (a push, a
+#: scatter's slice) goes on the event channel, whose socket buffers take a few MB, and the
+#: supervisor's own thread writes it to the pipe: the notebook never blocks on a rank that
+#: cannot read (busy, stopped), where an interrupt would leave half a frame in the pipe.
+DIRECT_BYTES = 60 * 1024
 
 
 _current: Session | None = None
@@ -220,13 +227,17 @@ class Session:
         register(cell)
         common = {**payload, "session": True, "keep": True, "cell": self._cell_ids}
         message: CellEvent | None = None
+        direct = True
         for rank in range(self.np):
             if message is None or per_rank is not None:
                 own = common if per_rank is None else {**common, **per_rank(rank)}
-                body = base64.b64encode(_pickling.dumps(own)).decode()
+                pickled = _pickling.dumps(own)
+                direct = len(pickled) <= DIRECT_BYTES
+                body = base64.b64encode(pickled).decode()
                 message = {"t": "cell", "id": self._cell_ids, "payload": body}
-            # Direct: a local rank's supervisor takes it in this thread (``Launcher.deliver``).
-            if not self.job.send(rank, message, direct=True):
+            # Direct: a local rank's supervisor takes a small one in this thread
+            # (``Launcher.deliver``); a large one goes on the channel (``DIRECT_BYTES``).
+            if not self.job.send(rank, message, direct=direct):
                 self._fail(f"rank {rank} of session {self.id} is not connected")
                 break
         return cell

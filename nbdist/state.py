@@ -150,11 +150,13 @@ class JobState:
         with self.lock:
             self._fold(self.ranks[rank], event, time.time())
 
-    def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]]) -> None:
+    def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]],
+                   folded: list[Mapping[str, Any]] | None = None) -> None:
         """Fold the events of one rank's write, in order, as :meth:`apply` does each: under
         one hold of the lock and one reading of the clock (the driver of 1024 ranks folds
         about 250 writes a second). An event that raises does not keep the others out; the
-        first error is raised once all are in."""
+        first error is raised once all are in. ``folded``: gets the events that folded (what
+        else they feed, rank 0's metrics to MLflow, takes those, even when one raised)."""
         if not 0 <= rank < self.np:
             return
         error: Exception | None = None
@@ -165,6 +167,9 @@ class JobState:
                     self._fold(r, event, now)
                 except Exception as exc:  # a field of a type no check foresaw
                     error = error or exc
+                else:
+                    if folded is not None:
+                        folded.append(event)
         if error is not None:
             raise error
 
@@ -638,12 +643,17 @@ class ElasticState(JobState):
     def apply(self, rank: int, event: Mapping[str, Any]) -> None:
         self.apply_many(rank, (event,))
 
-    def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]]) -> None:
-        events = events if isinstance(events, (list, tuple)) else list(events)
-        super().apply_many(rank, events)
+    def apply_many(self, rank: int, events: Iterable[Mapping[str, Any]],
+                   folded: list[Mapping[str, Any]] | None = None) -> None:
         sink = self.metrics_sink
-        if sink is not None and rank == 0:
-            for event in events:
+        if sink is None or rank != 0:
+            super().apply_many(rank, events, folded)
+            return
+        done: list[Mapping[str, Any]] = [] if folded is None else folded
+        try:
+            super().apply_many(rank, events, done)
+        finally:  # the metrics of the events that folded, even if another one raised
+            for event in done:
                 if event.get("t") == "metrics":
                     sink(event.get("values") or {})
 

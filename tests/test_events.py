@@ -571,3 +571,48 @@ def test_a_reconnect_storm_leaves_one_connection_per_rank(server: events.EventSe
         client.close()
     wait_for(lambda: not server._conns, 10, "the last one gone")
     wait_for(lambda: psutil.Process().num_fds() <= fds_before, 10, "no descriptor left")
+
+
+def test_events_after_a_large_block_share_one_line() -> None:
+    """The events that follow a binary block over ``BATCH_LINE_BYTES`` in a write still go
+    together in one line (before: the block's size counted as the next line's, which then
+    held one event alone)."""
+    from nbdist.rank.client import BATCH_LINE_BYTES, _lines
+
+    block = b"\0" * (2 * BATCH_LINE_BYTES)
+    after = [{"t": "out", "s": "o", "text": f"{i}\n"} for i in range(3)]
+    written = _lines([{"t": "cell_data", "cell": 1, "data": block}, *after])
+    assert written[1] is block  # the block as it is, not copied
+    assert bytes(written[-1]) == json.dumps(after, separators=(",", ":")).encode() + b"\n"
+
+
+def test_an_event_json_cannot_take_is_reported_and_the_channel_goes_on(
+    server: events.EventServer,
+) -> None:
+    """An event with a value JSON cannot encode arrives as a line on the rank's stderr naming
+    it, from the sender thread or from a cell's end written by the sending thread, and every
+    event after it still arrives (before: the write raised with ``_writing`` left set, and
+    the channel sent nothing more)."""
+    rec, secret = Recorder(), channel.new_secret()
+    server.add_job("j1", secret, rec)
+    client = EventClient(server.address, "j1", 0, secret, {}, lambda m: None)
+    assert client.send({"t": "metrics", "values": {"loss": object()}})  # the sender writes it
+    assert client.send({"t": "out", "s": "o", "text": "after\n"})
+    # A cell's end goes in the calling thread's own write (PROMPT); its block's head is bad.
+    assert client.send_all([{"t": "cell_data", "cell": {1, 2}, "data": b"xyz"},
+                            {"t": "cell_result", "cell": 1, "sig": "s"}])
+    assert client.send({"t": "out", "s": "o", "text": "still\n"})
+
+    def got() -> list[dict[str, object]]:
+        with rec.lock:
+            return [e for _, e in rec.events]
+
+    wait_for(lambda: any(e.get("text") == "still\n" for e in got()), 10, "the last line")
+    reports = [str(e["text"]) for e in got() if e.get("s") == "e"]
+    assert len(reports) == 2
+    assert reports[0].startswith("nbdist: a 'metrics' event of this rank could not be sent")
+    assert "TypeError: Object of type object is not JSON serializable" in reports[0]
+    assert reports[1].startswith("nbdist: a 'cell_data' event")
+    assert [e["t"] for e in got() if e.get("s") != "e"] == ["out", "cell_result", "out"]
+    assert client.alive
+    client.close()

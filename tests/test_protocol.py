@@ -85,3 +85,41 @@ def test_frames_held_go_in_one_write_and_a_fork_meanwhile_sends_them_once(
         while (frame := read_frame(f)) is not None:
             got.append(json.loads(frame[1])["t"])
     assert got == ["a", "b", "child", "c"]
+
+
+FORK_WITH_THE_SUPERVISOR_GONE = """
+import os
+from nbdist.protocol import FrameWriter
+from nbdist.rank import reporting, runtime, streams
+
+r, w = os.pipe()
+chan = reporting.channel = FrameWriter(os.fdopen(w, "wb"))
+os.close(r)  # the supervisor is gone: a write to the pipe is a broken pipe
+runtime._guard_forks(streams.Pacer())
+chan.hold()
+chan.event({"t": "names", "names": []})  # held in the buffer
+pid = os.fork()
+if pid == 0:
+    if not chan.lock.acquire(timeout=10):
+        os._exit(3)
+    chan.lock.release()
+    chan.event({"t": "child"})  # to nowhere, without raising
+    os._exit(0)
+assert os.waitpid(pid, 0)[1] == 0, "the child's channel stayed locked"
+free = chan.lock.acquire(timeout=10) and reporting.Bar._lock.acquire(timeout=10)
+print("free" if free else "held")
+"""
+
+
+def test_a_fork_after_the_supervisor_is_gone_leaves_the_channel_unlocked() -> None:
+    """A rank that forks while its frames are held and its control pipe is broken (its
+    supervisor gone) drops those frames, and the fork leaves the channel's and the bars' locks
+    free (before: the broken pipe skipped the fork hooks' other halves and both stayed held,
+    hanging every later send)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FORK_WITH_THE_SUPERVISOR_GONE],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "free"), done.stderr
+    assert "Exception ignored" not in done.stderr  # no fork hook raised

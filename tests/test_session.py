@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +14,10 @@ from typing import Any
 import pytest
 
 from nbdist import session as sessions
+from nbdist.capture import capture_cell
 from nbdist.errors import DistributedError, PullWarning, SessionError
+from nbdist.protocol import Frame
+from nbdist.rank.supervisor import RankProcess
 
 from .helpers import GONE_WITHIN_S, Gate, rank_processes, run
 
@@ -266,6 +273,81 @@ def test_a_local_rank_takes_the_drivers_messages_as_a_call_while_its_channel_is_
     assert ip.user_ns["both"] == [40, 41]
     live.stop()
     assert not live.launcher.deliver(0, {"t": "interrupt", "id": 1})
+
+
+def test_a_large_payload_never_waits_in_the_notebook_for_ranks_that_cannot_read(
+        ip: Any, live: sessions.Session) -> None:
+    """A push larger than a rank's control pipe (1 MiB) leaves the notebook's thread at once
+    while the ranks are stopped (before: it blocked writing into their full pipes for as long
+    as they were), and arrives whole once they go on."""
+    blob = bytes(range(256)) * 4096
+    payload = {"kind": "push", "name": "blob", "data": capture_cell("blob", {"blob": blob}).data}
+    ranks = rank_processes()
+    assert ranks
+    sent: list[sessions.SessionCell] = []
+    done = threading.Event()
+
+    def push() -> None:
+        sent.append(live.run_cell(payload))  # type: ignore[arg-type]
+        done.set()
+
+    for p in ranks:
+        p.suspend()
+    try:
+        threading.Thread(target=push, daemon=True).start()
+        assert done.wait(30), "the notebook's thread waited for ranks that could not read"
+    finally:
+        for p in ranks:
+            p.resume()
+    sent[0].result(timeout=60)
+    assert run(ip, "%%distributed -o got\nlen(blob), blob[:3]") == (1 << 20, bytes([0, 1, 2]))
+    assert ip.user_ns["got"] == [(1 << 20, bytes([0, 1, 2]))] * 2
+    assert live.alive
+
+
+@pytest.mark.slow
+def test_a_frame_stopped_half_written_closes_the_control_pipe_and_the_rank_ends() -> None:
+    """An exception (the stop button's KeyboardInterrupt) while a frame to a rank's
+    interpreter is half written closes its control pipe, so that it ends as without its
+    supervisor (before: it waited for the rest of the frame for ever, and would have read the
+    frames after it as garbage)."""
+
+    class Stop(BaseException):
+        pass
+
+    rp = RankProcess(sys.executable, {}, None)
+    os.killpg(rp.pid, signal.SIGSTOP)  # the pipe fills: the write blocks, half done
+    raised = threading.Event()
+    main = threading.get_ident()
+
+    def stop(signum: int, frame: Any) -> None:
+        if not raised.is_set() and frame is not None and frame.f_code.co_name == "write_frame":
+            raised.set()
+            raise Stop
+
+    def poke() -> None:  # until one lands in the blocked write (the first only cuts it short)
+        while not raised.wait(0.05):
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, stop)
+    poker = threading.Thread(target=poke, daemon=True)
+    try:
+        poker.start()
+        with pytest.raises(Stop):
+            rp.send(Frame.PAYLOAD, b"x" * (1 << 20))
+        assert rp.ctl_in.closed
+        assert not rp.send(Frame.QUIT, b"")  # nothing more goes to it
+        os.killpg(rp.pid, signal.SIGCONT)
+        rp.proc.wait(timeout=60)  # it saw its supervisor gone and took its group along
+    finally:
+        raised.set()
+        poker.join()
+        signal.signal(signal.SIGUSR1, old)
+        try:
+            os.killpg(rp.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        rp.discard()
 
 
 def test_pull_and_push_round_trip(ip: Any, live: sessions.Session) -> None:

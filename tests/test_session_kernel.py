@@ -23,9 +23,17 @@ def _stdout(msgs: list[dict[str, Any]]) -> str:
 
 
 def _rank_pids(kc: Any) -> list[int]:
-    shown = execute(kc, "import json, nbdist.session as s\n"
-                        "print(json.dumps([r.pid for r in s.current().state.ranks]))")
-    return [int(p) for p in json.loads(_stdout(shown))]
+    """The session's rank pids, once the kernel's state has every one (each comes with its
+    rank's first event, which may follow the start's return on a busy machine)."""
+    deadline = time.monotonic() + 30
+    while True:
+        shown = execute(kc, "import json, nbdist.session as s\n"
+                            "print(json.dumps([r.pid for r in s.current().state.ranks]))")
+        pids = json.loads(_stdout(shown))
+        if None not in pids:
+            return [int(p) for p in pids]
+        assert time.monotonic() < deadline, f"the ranks' pids never all came: {pids}"
+        time.sleep(0.1)
 
 
 def test_stop_button_panel_and_shutdown(tmp_path: Path) -> None:
@@ -41,13 +49,15 @@ def test_stop_button_panel_and_shutdown(tmp_path: Path) -> None:
 
         # The panel of a session cell shows each rank's bar advancing while the cell runs.
         gate = tmp_path / "gate"
+        # stop_on_error=False: else the kernel may abort the requests that follow the error
+        # (ipykernel's stop_on_error), the cells below, and they run nothing.
         msg_id = kc.execute(
             "%%distributed\nimport os, time\nfrom tqdm import tqdm\n"
             "for i in tqdm(range(1000000), mininterval=0):\n"
             "    steps += 1\n"
             f"    if i == 20 and not os.path.exists({str(gate)!r}):\n"
             "        open(" + repr(str(gate)) + ", 'w').close()\n"
-            "    time.sleep(0.01)\n"
+            "    time.sleep(0.01)\n", stop_on_error=False,
         )
         fe = Frontend()
         deadline = time.monotonic() + 60
@@ -94,7 +104,7 @@ def test_second_stop_tears_the_session_down() -> None:
         msg_id = kc.execute("%%distributed\nimport time\nprint('started', flush=True)\n"
                             "while True:\n    try:\n"
                             "        time.sleep(0.01)\n    except KeyboardInterrupt:\n"
-                            "        print('ignored', flush=True)\n")
+                            "        print('ignored', flush=True)\n", stop_on_error=False)
         deadline = time.monotonic() + 30
         seen = ""
 

@@ -125,6 +125,25 @@ def test_an_event_that_raises_keeps_no_other_event_of_its_write_out() -> None:
     assert [ln.text for ln in job.ranks[0].log] == ["a", "b"]
 
 
+def test_the_metrics_of_a_write_reach_the_sink_when_another_of_its_events_raises() -> None:
+    """Rank 0's metrics that folded go to the metrics sink (MLflow) even when another event of
+    the same write raised (before: none of the write's did), and the error is still raised."""
+
+    class Broken(dict[str, object]):
+        def get(self, key: str, default: object = None) -> object:
+            raise RuntimeError("a field of a type no check foresaw")
+
+    job = state.ElasticState("j", "local", 1, max_restarts=1)
+    sunk: list[dict[str, object]] = []
+    job.metrics_sink = sunk.append
+    with pytest.raises(RuntimeError, match="no check foresaw"):
+        job.apply_many(0, [{"t": "metrics", "values": {"loss": 0.5}}, Broken(),
+                           {"t": "metrics", "values": {"loss": 0.25}}])
+    assert sunk == [{"loss": 0.5}, {"loss": 0.25}]
+    job.apply(0, {"t": "metrics", "values": {"acc": 1.0}})  # one at a time, as before
+    assert sunk[-1] == {"acc": 1.0}
+
+
 def test_every_event_and_heartbeat_marks_the_rank_as_seen() -> None:
     """last_seen moves with any event, a heartbeat included, which changes nothing else."""
     job = JobState("j", "local", 1)

@@ -162,6 +162,35 @@ def test_memory_now_counts_the_descendants_of_the_last_sample_without_looking_fo
         proc.stdin.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_sample_of_the_guardian_never_counts_the_rank_twice() -> None:
+    """A sample taken while the sampled process was still the rank's guardian counted the rank
+    among its children; the rank's memory after a cell then counts only the rank (and what a
+    sample of the rank itself found), not its own memory plus the rank again."""
+    holder = "b = b'x' * (100 * 1024 * 1024)\nimport sys\nsys.stdin.read()"
+    code = ("import subprocess, sys; "  # the guardian: it waits on its one child, the rank
+            f"subprocess.run([sys.executable, '-c', {holder!r}])")
+    guardian = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        pid: list[int] = [guardian.pid]  # what the sampler measures: the guardian, at first
+        sampler = resources.Sampler(lambda: pid[0], (), lambda e: None)
+        wait_for(lambda: sampler.sample().get("rss", 0) > 112e6, 20, "the rank in a sample")
+        rank = psutil.Process(guardian.pid).children()[0]
+        pid[0] = rank.pid  # the rank said which process it is ("ready")
+        own = rank.memory_info().rss  # as the rank reads it after its cell
+        assert own > 100e6
+        assert (sampler.rss_with(own) or 0) < 1.5 * own  # before: own + the rank again
+        sampler.sample()  # a sample of the rank itself: its children (none) count
+        assert sampler.rss_with(own) == own
+    finally:
+        for child in psutil.Process(guardian.pid).children(recursive=True):
+            child.kill()
+        guardian.kill()
+        guardian.wait()
+        assert guardian.stdin is not None
+        guardian.stdin.close()
+
+
 def test_a_rank_reads_its_own_memory_as_psutil_does() -> None:
     """A session rank's own resident memory, sent with its names after a cell, is what psutil
     reads from outside (the supervisor adds the children's)."""

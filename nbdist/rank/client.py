@@ -181,23 +181,32 @@ class EventClient:
         return batch
 
     def _write(self, batch: list[Event]) -> None:
+        """Write a batch taken with ``_take``; whatever happens, let the next write go (a
+        ``_writing`` left set kept every later event queued for good, until the queue was
+        full and every sender waited)."""
         if len(batch) > 1:  # a heartbeat says nothing that another event does not
             batch = [e for e in batch if e.get("t") != "hb"] or batch[-1:]
-        failed = False
+        failed = lost = False
         try:
-            for data in _lines(batch):
+            try:
+                lines = _lines(batch)  # an event that JSON cannot take is reported there
+            except Exception:  # nbdist's own fault: lose this batch, never the channel
+                log.exception("nbdist: a batch of %d events could not be encoded", len(batch))
+                lines, lost = [], True
+            for data in lines:
                 self._sock.sendall(data)
         except OSError:
             failed = True
-        with self._cond:
-            if failed:
-                self.alive = False
-                self.dropped += len(batch)
-                self._room.notify_all()
-            self._writing = False
-            self._last = time.monotonic()
-            if self._pending or self._closing or not self.alive:
-                self._cond.notify_all()  # the sender writes what came meanwhile, or ends
+        finally:
+            with self._cond:
+                if failed or lost:
+                    self.alive = self.alive and not failed
+                    self.dropped += len(batch)
+                    self._room.notify_all()
+                self._writing = False
+                self._last = time.monotonic()
+                if self._pending or self._closing or not self.alive:
+                    self._cond.notify_all()  # the sender writes what came meanwhile, or ends
 
     def _send_loop(self) -> None:
         while True:
@@ -330,15 +339,18 @@ def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
         if isinstance(data, (bytes, bytearray, memoryview)):
             flush()
             head = {k: v for k, v in e.items() if k != "data"}
-            size = memoryview(data).nbytes
-            text.append(encode({**head, "raw": size}))
-            if size <= JOIN_BYTES:  # with the lines around it: one write, one read
+            raw = memoryview(data).nbytes  # not ``size``: that counts the line's bytes
+            line, ok = _dumps({**head, "raw": raw})
+            text.append(line + b"\n")
+            if not ok:  # its head cannot travel, nor can its bytes: the report goes instead
+                continue
+            if raw <= JOIN_BYTES:  # with the lines around it: one write, one read
                 text.append(bytes(data))
                 continue
             out += [b"".join(text), data]
             text.clear()
             continue
-        p = json.dumps(e, separators=(",", ":"), ensure_ascii=False).encode()
+        p = _dumps(e)[0]
         if groups[-1] and size + len(p) > BATCH_LINE_BYTES:
             groups.append([])
             size = 0
@@ -348,6 +360,19 @@ def _lines(events: list[Event]) -> list[bytes | bytearray | memoryview]:
     if text:
         out.append(b"".join(text))
     return out
+
+
+def _dumps(event: Mapping[str, Any]) -> tuple[bytes, bool]:
+    """An event's JSON and True; for one that JSON cannot take (a value of a type it does not
+    know, a cycle), a line on the rank's stderr that says so, and False: the event is lost,
+    never the channel."""
+    try:
+        return json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode(), True
+    except (TypeError, ValueError, RecursionError) as exc:
+        report: Event = {"t": "out", "s": "e", "text": (
+            f"nbdist: a {str(event.get('t'))[:40]!r} event of this rank could not be sent to "
+            f"the notebook, and was dropped: {type(exc).__name__}: {str(exc)[:200]}\n")}
+        return json.dumps(report, separators=(",", ":"), ensure_ascii=False).encode(), False
 
 
 def _merge(pending: list[Event], event: Event) -> None:

@@ -639,11 +639,14 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                     _cells.start(payload.get("cell"))
                     value = _run(payload)
                 finally:
+                    # First: an interrupt (``_cells.interrupt``) from here on is ignored, never
+                    # raised in this cleanup (skipping the rest of it, and leaving the next
+                    # interrupt to end the serve loop, and the rank, between cells).
+                    _interruptible.clear()
                     # What follows (the end mark, modules, names, value or error) goes to the
                     # supervisor in one write (see ``FrameWriter.hold``).
                     chan.hold()
                     _mark("end")
-                    _interruptible.clear()
                     _cells.end()
                     _restore_outputs()
             except BaseException as exc:
@@ -716,17 +719,26 @@ def _guard_forks(pacer: Pacer) -> None:
     ranks themselves.
     """
 
+    # Each hook runs both halves whatever the first raises: Python forks all the same (it
+    # prints what a hook raised), and a half skipped would leave its locks held for good, or
+    # release in the after-hooks a lock its before-hook never took.
     def before() -> None:
-        reporting.before_fork()
-        pacer.before_fork()
+        try:
+            reporting.before_fork()
+        finally:
+            pacer.before_fork()
 
     def parent() -> None:
-        pacer.after_fork_in_parent()
-        reporting.after_fork_in_parent()
+        try:
+            pacer.after_fork_in_parent()
+        finally:
+            reporting.after_fork_in_parent()
 
     def child() -> None:
-        pacer.after_fork_in_child()
-        reporting.after_fork_in_child()
+        try:
+            pacer.after_fork_in_child()
+        finally:
+            reporting.after_fork_in_child()
 
     os.register_at_fork(before=before, after_in_parent=parent, after_in_child=child)
 

@@ -190,13 +190,28 @@ class RankProcess:
         return self.proc.poll() is None
 
     def send(self, kind: int, body: bytes) -> bool:
-        """Write a frame; False if the interpreter is gone."""
-        try:
-            with self._send_lock:
+        """Write a frame; False if the interpreter is gone.
+
+        Anything that stops a frame half-written (a KeyboardInterrupt in the notebook's thread
+        while the pipe is full) closes the pipe, then is raised: the interpreter would read
+        the frames after it as garbage and never hear of an interrupt again; this way it sees
+        its supervisor gone and ends (its rank fails, with the reason)."""
+        with self._send_lock:
+            try:
                 write_frame(self.ctl_in, kind, body)
-        except (BrokenPipeError, ValueError):  # ValueError: already closed
-            return False
+            except (BrokenPipeError, ValueError):  # ValueError: already closed
+                return False
+            except BaseException:
+                self._abandon()
+                raise
         return True
+
+    def _abandon(self) -> None:
+        """Close the control pipe without writing what its buffer holds (half a frame)."""
+        try:
+            self.ctl_in.raw.close()  # the buffered file then closes without a flush
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Let go of the interpreter: it kills its own process group when it sees this."""
@@ -763,12 +778,13 @@ class Supervisor:
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
         with the rank and would count them twice): what the rank said of its own after the
-        cell, with its children's at the last sample; or as ``Sampler.rss_now`` measures it."""
+        cell, with its children's at the last sample (``Sampler.rss_with``); or as
+        ``Sampler.rss_now`` measures it."""
         own, self._reported_rss = self._reported_rss, None
         sampler = self._sampler
-        if own is not None:
-            return own + (sampler.children_rss if sampler is not None else 0)
-        return sampler.rss_now() if sampler is not None else None
+        if sampler is None:
+            return own
+        return sampler.rss_now() if own is None else sampler.rss_with(own)
 
     def _pump(self, pipe: Any, stream: Literal["o", "e"]) -> None:
         """Forward one output pipe in batches of whole lines (``\\r`` ends a line too).
