@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -223,13 +223,8 @@ def test_unknown_job_is_rejected(raw) -> None:
     assert _closed(sock)
 
 
-def test_the_server_paces_its_clients_by_how_many_are_connected(
-    server: events.EventServer, raw, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """More connections make the server ask every client to write less often at once; fewer,
-    more often once the closes settled, in one message however many closed."""
-    monkeypatch.setattr(events, "MAX_WRITES_PER_S", 100)
-    monkeypatch.setattr(events, "REPACE_AFTER_S", 0.3)
+def _three_ranks(server: events.EventServer, raw) -> list[tuple[socket.socket, Any]]:
+    """Three ranks of job ``j1`` connected by hand: each one's socket and its reader."""
     rec, secret = Recorder(), channel.new_secret()
     server.add_job("j1", secret, rec)
     readers = []
@@ -239,6 +234,17 @@ def test_the_server_paces_its_clients_by_how_many_are_connected(
                                     "mac": channel.sign(secret, nonce, "j1", rank)}))
         readers.append((sock, sock.makefile("rb")))
     wait_for(lambda: len(rec.connected) == 3, 10, "three ranks")
+    return readers
+
+
+def test_the_server_paces_its_clients_by_how_many_are_connected(
+    server: events.EventServer, raw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More connections make the server ask every client to write less often at once; fewer,
+    more often once the closes settled, in one message however many closed."""
+    monkeypatch.setattr(events, "MAX_WRITES_PER_S", 100)
+    monkeypatch.setattr(events, "REPACE_AFTER_S", 0.3)
+    readers = _three_ranks(server, raw)
 
     def paces(reader, until: float) -> list[float]:  # the paces told, up to ``until``
         got: list[float] = []
@@ -264,15 +270,7 @@ def test_the_shorter_pace_comes_at_most_repace_at_most_s_after_the_first_close(
     monkeypatch.setattr(events, "MAX_WRITES_PER_S", 100)
     monkeypatch.setattr(events, "REPACE_AFTER_S", 60.0)
     monkeypatch.setattr(events, "REPACE_AT_MOST_S", 0.5)
-    rec, secret = Recorder(), channel.new_secret()
-    server.add_job("j1", secret, rec)
-    readers = []
-    for rank in range(3):
-        sock, nonce = raw()
-        sock.sendall(channel.encode({"t": "hello", "job": "j1", "rank": rank,
-                                    "mac": channel.sign(secret, nonce, "j1", rank)}))
-        readers.append((sock, sock.makefile("rb")))
-    wait_for(lambda: len(rec.connected) == 3, 10, "three ranks")
+    readers = _three_ranks(server, raw)
     sock0, reader0 = readers[0]
     while json.loads(reader0.readline())["every"] != pytest.approx(0.03):
         pass
