@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c .ci/constraints.txt torch
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,connect,tf,jax,mlflow,data]'
+	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,connect,tf,jax,mlflow,data,ray]'
 	touch $@
 
 quickstart: setup

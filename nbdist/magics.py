@@ -27,7 +27,7 @@ from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError, PullWarning
 from nbdist.launch import backends
-from nbdist.options import JobOptions, Restarts
+from nbdist.options import BACKENDS, JobOptions, Restarts
 from nbdist.protocol import CallPayload, Payload, Pulled, ScriptPayload
 from nbdist.rank import debugger as rank_debugger
 from nbdist.views import LiveView, live_view, status
@@ -126,8 +126,9 @@ def _launch_arguments(func: Any) -> Any:
     for decorate in reversed((
         argument("-np", dest="np", metavar="N",
                  help="number of ranks; -N runs N local ranks even when Spark is active"),
-        argument("--backend", choices=("auto", "local", "spark"), default="auto",
-                 help="where ranks run (default: Spark if a session is active, else local)"),
+        argument("--backend", choices=BACKENDS, default="auto",
+                 help="where ranks run (default: Spark if a session is active, else Ray if "
+                 "it is initialized, else local)"),
         argument("--gpu", dest="gpu", action="store_true", default=None,
                  help="one GPU per rank (default: when the backend has GPUs)"),
         argument("--no-gpu", dest="gpu", action="store_false", help="no GPUs for the ranks"),
@@ -367,6 +368,30 @@ class DistMagics(Magics):
             raise TraitError(f"DistMagics.driver_port must be a port number (1-65535, or 0 for "
                              f"any free port), not {value}")
         return value  # type: ignore[no-any-return]
+
+    ray_gpus_per_bundle = Int(
+        None, allow_none=True, config=True,
+        help="Ray, node-level launch: bundles of k GPUs that run k ranks each (-np a multiple "
+        "of k), as one task of k GPUs on Spark. Wins over NBDIST_RAY_GPUS_PER_BUNDLE. "
+        "Default: 1 (a bundle of one GPU per rank).",
+    )
+    ray_strategy = Enum(
+        ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), None, allow_none=True, config=True,
+        help="Ray's placement strategy for a job's bundles. Wins over NBDIST_RAY_STRATEGY. "
+        "Default: PACK.",
+    )
+    ray_placement_wait = Float(
+        None, allow_none=True, config=True,
+        help="Seconds a Ray job waits for its placement group before it fails with the "
+        "resources missing (the group is removed). Wins over NBDIST_RAY_PLACEMENT_WAIT. "
+        "Default: 30.",
+    )
+
+    @observe("ray_gpus_per_bundle", "ray_strategy", "ray_placement_wait")
+    def _ray_setting(self, change: Any) -> None:
+        from nbdist.launch import ray as ray_backend  # imports no Ray
+
+        setattr(ray_backend.settings, change["name"].removeprefix("ray_"), change["new"])
 
     @observe("driver_host", "driver_port", "heartbeat_timeout")
     def _network_setting(self, change: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: The backends a job may ask for (``--backend``).
-BACKENDS = ("auto", "local", "spark")
+BACKENDS = ("auto", "local", "spark", "ray")
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Restarts:
 class JobOptions:
     """How a job runs, whatever starts it (the magic, ``nbdist.run``, a session, a restart)."""
 
-    #: ``auto`` (Spark when a session is active and ``np`` > 0, else local), ``local``,
-    #: ``spark``.
+    #: ``auto`` (Spark when a session is active and ``np`` > 0, else Ray when it is
+    #: initialized, else local), ``local``, ``spark``, ``ray``.
     backend: str = "auto"
     #: One GPU per rank; None: when the backend has GPUs.
     gpu: bool | None = None

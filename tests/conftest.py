@@ -87,6 +87,10 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         request.getfixturevalue("no_leftover_spark_ranks")
         yield
         return
+    if request.node.get_closest_marker("ray"):  # Ray's own too (tests/ray/conftest.py)
+        request.getfixturevalue("no_leftover_ray")
+        yield
+        return
     before = set(_descendants())
     yield
     pool.clear()  # warm interpreters are meant to outlive a job, not a test

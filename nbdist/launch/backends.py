@@ -15,7 +15,8 @@ from typing import Any
 from nbdist.launch import Capacity, Launcher
 
 #: The backends by name, and their modules.
-MODULES = {"local": "nbdist.launch.local", "spark": "nbdist.launch.spark"}
+MODULES = {"local": "nbdist.launch.local", "spark": "nbdist.launch.spark",
+           "ray": "nbdist.launch.ray"}
 
 
 def choose(np: int, backend: str = "auto") -> tuple[Launcher, int]:
@@ -23,7 +24,14 @@ def choose(np: int, backend: str = "auto") -> tuple[Launcher, int]:
     if np == 0:
         raise ValueError("np must be a non-zero integer: N ranks, or -N for N local ranks")
     if backend not in ("auto", *MODULES):
-        raise ValueError(f"unknown backend {backend!r}: use auto, local or spark")
+        raise ValueError(f"unknown backend {backend!r}: use auto, local, spark or ray")
+    if backend == "ray" or (backend == "auto" and np > 0 and spark_session() is None
+                            and ray_active()):
+        if np < 0:
+            raise ValueError("-np -N means local ranks; it cannot go with --backend ray")
+        from nbdist.launch.ray import RayLauncher
+
+        return RayLauncher(), np
     if backend == "spark" or (backend == "auto" and np > 0 and spark_session() is not None):
         if np < 0:
             raise ValueError("-np -N means local ranks; it cannot go with --backend spark")
@@ -46,9 +54,18 @@ def spark_session() -> Any:
     return SparkSession.getActiveSession()
 
 
+def ray_active() -> bool:
+    """Whether this kernel has an initialized Ray; never imports Ray to find out."""
+    if "ray" not in sys.modules:
+        return False
+    from nbdist.launch.ray import is_active
+
+    return is_active()
+
+
 def capacities() -> list[tuple[str, Capacity]]:
-    """(backend, Capacity) of the local backend, and of Spark when a session is active
-    (``%dist_status``)."""
+    """(backend, Capacity) of the local backend, of Spark when a session is active, and of
+    Ray when it is initialized (``%dist_status``)."""
     from nbdist.launch.local import LocalLauncher
 
     caps: list[tuple[str, Capacity]] = [("local", LocalLauncher().capacity())]
@@ -58,12 +75,19 @@ def capacities() -> list[tuple[str, Capacity]]:
             caps.append(("spark", launcher.capacity()))
         except Exception as exc:  # no Spark backend here, or the cluster cannot be asked
             caps.append(("spark", Capacity(0, 0, f"unknown: {exc}")))
+    if ray_active():
+        try:
+            launcher, _ = choose(1, "ray")
+            caps.append(("ray", launcher.capacity()))
+        except Exception as exc:  # a Ray Client connection, or the cluster cannot be asked
+            caps.append(("ray", Capacity(0, 0, f"unknown: {exc}")))
     return caps
 
 
 def shutdown() -> None:
     """Let go of what the backends keep between jobs: the local warm pool's zygotes and
-    interpreters, the Spark stop-button guard (pyspark's own SIGINT handler is back)."""
+    interpreters, the Spark stop-button guard (pyspark's own SIGINT handler is back), the Ray
+    jobs' actors and placement groups."""
     for module in MODULES.values():
         loaded = sys.modules.get(module)  # nothing was started if it was never imported
         if loaded is not None:

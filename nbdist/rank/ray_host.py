@@ -1,0 +1,101 @@
+"""A Ray actor's side of a job: one actor per bundle of the job's placement group runs the
+bundle's ranks, each under the same supervisor that local ranks and Spark barrier tasks use
+(``rank/supervisor.py``), with the GPUs Ray gave the actor and its node's address. The actor
+is created by the kernel's Ray backend (``launch/ray.py``); Ray imports this module by name on
+the node, so nbdist must be installed there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
+
+
+class RankHost:
+    """The actor of one bundle: :meth:`where` says where Ray placed it, :meth:`run` runs its
+    ranks to their end and returns their outcomes as plain fields (``RankOutcome.fields``)."""
+
+    def where(self) -> dict[str, Any]:
+        """The node's address and id, and the GPUs Ray assigned this actor."""
+        import ray
+
+        host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        node = ray.get_runtime_context().get_node_id()
+        # As the driver names the node (``RayLauncher``): a lost node's ranks are found by it.
+        return {"host": host, "node": f"{host} ({node[:12]})",
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    def run(self, ranks: list[int], request: dict[str, Any], version: str
+            ) -> list[tuple[int, dict[str, Any]]]:
+        """Run ``ranks`` (one per GPU of the actor with ``--gpu``, in the order Ray lists
+        them), side by side; their outcomes in the order given."""
+        scheduled = time.time()
+        import nbdist
+
+        if nbdist.__version__ != version:
+            return _all_failed(ranks, "ImportError", (
+                f"the notebook has nbdist {version} but the Ray node's Python "
+                f"({sys.executable}) has nbdist {nbdist.__version__}: install the same "
+                f"version on both"))
+        launch = LaunchRequest(**request)
+        where = self.where()
+        gpus: list[str] = where["gpus"] if launch.gpu else []
+        if launch.gpu and len(gpus) < len(ranks):
+            return _all_failed(ranks, "LaunchError", (
+                f"the Ray actor of ranks {ranks} was given {len(gpus)} GPUs ({gpus}) for "
+                f"{len(ranks)} ranks"))
+        outcomes: dict[int, dict[str, Any]] = {}
+
+        def one(j: int, rank: int) -> None:
+            try:
+                outcomes[rank] = run_rank(launch, rank, where["host"], where["node"],
+                                          (gpus[j],) if gpus else (), scheduled)
+            except BaseException as exc:  # every rank must end with an outcome
+                outcomes[rank] = RankOutcome(rank, RankStatus.FAILED, error={
+                    "type": type(exc).__name__, "traceback": traceback.format_exc(),
+                    "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
+                }).fields()
+
+        threads = [threading.Thread(target=one, args=(j, r), name=f"nbdist-ray-rank-{r}",
+                                    daemon=True) for j, r in enumerate(ranks)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [(r, outcomes[r]) for r in ranks]
+
+
+def run_rank(launch: LaunchRequest, rank: int, host: str, node: str, gpus: tuple[str, ...],
+             scheduled: float) -> dict[str, Any]:
+    """One rank under the shared supervisor; its outcome's plain fields. The ranks need the
+    event channel (no fallback rendezvous): Ray offers no barrier to meet through."""
+    from nbdist.rank.supervisor import RankSpec, Supervisor
+
+    spec = RankSpec.for_rank(launch, rank, env=worker_pythonpath(), host=host, gpus=gpus,
+                             python=sys.executable, executor=node, scheduled=scheduled)
+    return Supervisor(spec).run().fields()
+
+
+def worker_pythonpath() -> dict[str, str]:
+    """PYTHONPATH for the rank: what the Ray worker imports from besides its installation
+    (the driver's directories Ray put on its ``sys.path``, a ``runtime_env`` working
+    directory), which a fresh interpreter would not see otherwise."""
+    from nbdist.rank.runtime import installation_dirs, is_installed
+
+    dirs = installation_dirs()
+    keep = [entry for entry in sys.path
+            if entry and os.path.isdir(entry) and not is_installed(entry, dirs)]
+    old = os.environ.get("PYTHONPATH", "")
+    paths = list(dict.fromkeys([*keep, *(p for p in old.split(os.pathsep) if p)]))
+    return {"PYTHONPATH": os.pathsep.join(paths)} if paths else {}
+
+
+def _all_failed(ranks: list[int], kind: str, message: str) -> list[tuple[int, dict[str, Any]]]:
+    return [(r, RankOutcome(r, RankStatus.FAILED, error={
+        "type": kind, "traceback": "", "message": message}).fields()) for r in ranks]

@@ -1,0 +1,143 @@
+"""The Ray backend on a real two-node Ray cluster (``conftest.py``): placement over the nodes,
+node-level launch, the capacity errors, cancel, a failing rank and a session, each leaving no
+rank, actor or placement group behind (``no_leftover_ray``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+import nbdist
+from nbdist import session as sessions
+from nbdist.errors import CapacityError, DistributedError
+from nbdist.launch import ray as ray_backend
+
+from ..helpers import Gate, run, wait_for
+from .conftest import groups_left
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def torchrun_env() -> dict[str, str]:
+    """The rank's torchrun variables, after an all-reduce over every rank (gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+            "CUDA_VISIBLE_DEVICES", "NBDIST_GPU")
+    return {"sum": str(int(t.item())), **{k: os.environ.get(k, "") for k in keys}}
+
+
+def test_ranks_are_placed_over_both_nodes_with_their_gpus(on_ray: Any) -> None:
+    """An initialized Ray picks the Ray backend: 4 ranks with one logical GPU each land on
+    both nodes, numbered together per node, meet at rank 0's node and all-reduce."""
+    job = nbdist.run(torchrun_env, np=4, timeout=240)
+    results = job.results
+    assert job.launcher.name == "ray" and job.gpu
+    hosts = [job.state.ranks[r].host for r in range(4)]
+    assert set(hosts) == {"127.0.0.1", "127.0.0.2"}
+    assert hosts[0] == hosts[1] and hosts[2] == hosts[3]  # PACK: a node's ranks together
+    assert [r["sum"] for r in results] == ["4"] * 4
+    assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "0", "1"]
+    assert [r["NODE_RANK"] for r in results] == ["0", "0", "1", "1"]
+    assert {r["MASTER_ADDR"] for r in results} == {hosts[0]}
+    for r in results:  # each node's two GPUs, in LOCAL_RANK order; the rank's own among them
+        assert sorted(r["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+        assert r["CUDA_VISIBLE_DEVICES"].split(",")[int(r["LOCAL_RANK"])] == r["NBDIST_GPU"]
+    assert not groups_left()
+
+
+def test_node_level_launch_runs_k_ranks_per_bundle(on_ray: Any) -> None:
+    """Bundles of 2 GPUs run 2 ranks each, one bundle per node: LOCAL_WORLD_SIZE 2 and
+    NODE_RANK from where the bundles landed; -np 3 is refused naming the sizes."""
+    ray_backend.settings.gpus_per_bundle = 2
+    with pytest.raises(CapacityError, match=r"-np 3 is not a multiple of 2.*-np 2 or -np 4"):
+        nbdist.run(torchrun_env, np=3, backend="ray")
+    results = nbdist.run(torchrun_env, np=4, backend="ray", timeout=240).results
+    assert [r["LOCAL_WORLD_SIZE"] for r in results] == ["2"] * 4
+    assert [r["NODE_RANK"] for r in results] == ["0", "0", "1", "1"]
+    assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "0", "1"]
+    assert [r["sum"] for r in results] == ["4"] * 4
+
+
+def test_too_many_ranks_are_refused_at_once_naming_the_nodes(on_ray: Any) -> None:
+    """6 GPU ranks on 4 logical GPUs fail before any group is made, naming the nodes and
+    --no-gpu; 3 bundles STRICT_SPREAD over 2 nodes too."""
+    with pytest.raises(CapacityError, match=r"asked for 6 ranks with one GPU each.*"
+                       r"127\.0\.0\.2.*--no-gpu") as caught:
+        nbdist.run(os.getpid, np=6, backend="ray")
+    assert "can hold only 4 such bundles" in str(caught.value)
+    ray_backend.settings.strategy = "STRICT_SPREAD"
+    with pytest.raises(CapacityError, match="placed STRICT_SPREAD.*only 2 such bundles"):
+        nbdist.run(os.getpid, np=3, backend="ray", gpu=False)
+    assert not groups_left()
+
+
+def test_cancel_stops_the_ranks_and_leaves_no_group(on_ray: Any, gate: Gate) -> None:
+    """A cancelled Ray job ends CANCELLED with its actors killed and its group removed, while
+    its ranks were held running."""
+    job = nbdist.run(gate.wait, np=2, backend="ray", gpu=False)
+    try:
+        wait_for(lambda: job.state.status == "running", 120, "the Ray ranks to run")
+        assert groups_left() == [f"nbdist-{job.id}"]
+        started = time.monotonic()
+        job.cancel()
+        with pytest.raises(DistributedError, match="cancel"):
+            job.result()
+        assert time.monotonic() - started < 10
+    finally:
+        gate.open()
+    wait_for(lambda: not groups_left(), 10, "the job's group to be removed")
+
+
+def fail_on_rank_1() -> int:
+    if os.environ["RANK"] == "1":
+        raise KeyError("missing")
+    import time
+
+    time.sleep(120)  # stopped by the job when rank 1 fails
+    return 0
+
+
+def test_a_failing_rank_fails_the_job_and_stops_the_others(on_ray: Any) -> None:
+    """A rank's exception fails the job naming it, with its traceback; the other rank is
+    stopped and nothing of the job stays on the nodes."""
+    started = time.monotonic()
+    job = nbdist.run(fail_on_rank_1, np=2, backend="ray", gpu=False)
+    with pytest.raises(DistributedError, match="rank 1 of 2 failed: KeyError") as caught:
+        job.result()
+    assert "fail_on_rank_1" in str(caught.value)
+    assert time.monotonic() - started < 100  # not the other rank's 120 s sleep
+
+
+def test_a_busy_cluster_fails_within_the_placement_wait(on_ray: Any, ip: Any,
+                                                        no_session: Any) -> None:
+    """A session holds the cluster's 4 GPUs between cells (its actors and group stay); a job
+    that then needs 2 more fails after the placement wait naming what is free, and its group
+    is removed while the session's stays."""
+    run(ip, "%dist_session start -np 4 --backend ray")
+    live = sessions.current()
+    try:
+        assert live is not None and live.launcher.name == "ray"
+        run(ip, "%%distributed\nx = int(__import__('os').environ['RANK'])")
+        assert run(ip, "%%distributed -o all_x\nx * 10") == 0
+        assert ip.user_ns["all_x"] == [0, 10, 20, 30]
+        assert len(groups_left()) == 1  # the session's, between cells
+        ray_backend.settings.placement_wait = 3.0
+        started = time.monotonic()
+        with pytest.raises(CapacityError, match=r"could not place 2 bundles of \{GPU: 1, "
+                           r"CPU: 1\}.*within 3 s.*0 GPUs.*--no-gpu"):
+            nbdist.run(os.getpid, np=2, backend="ray", gpu=True)
+        assert time.monotonic() - started < 60
+        assert len(groups_left()) == 1
+    finally:
+        if live is not None and live.alive:
+            live.stop()
+    wait_for(lambda: not groups_left(), 10, "the session's group to be removed")
