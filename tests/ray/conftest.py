@@ -59,6 +59,8 @@ def start_cluster() -> Any:
 @pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[Any]:
     """The package's two-node Ray cluster, with this process connected as its driver."""
+    if _FAILED:  # pytest sets a failed fixture up again for every test: not another try
+        raise _FAILED[0]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray's daemons start at a higher priority than the rest of the machine's work, and its
     # dashboard agent in its minimal form (what `pip install ray` without [default] runs):
@@ -73,6 +75,9 @@ def ray_cluster() -> Iterator[Any]:
         pass
     try:
         cluster = start_cluster()
+    except Exception as exc:
+        _FAILED.append(exc)
+        raise
     finally:
         os.setpriority(os.PRIO_PROCESS, 0, before) if os.getuid() == 0 else None
         if saved is _MISSING:
@@ -90,6 +95,8 @@ def ray_cluster() -> Iterator[Any]:
 
 
 _MISSING = object()
+#: Why the cluster could not start, once it could not.
+_FAILED: list[Exception] = []
 
 
 @pytest.fixture
