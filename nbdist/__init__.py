@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, overload
 
 from nbdist._checkpoint import checkpoint_dir
+from nbdist._version import __version__ as __version__
 from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
 from nbdist.rank.reporting import progress, report
 from nbdist.rank.shard import shard
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from nbdist.elastic import ElasticJob
     from nbdist.job import Job
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CapacityError",

@@ -184,7 +184,7 @@ class ElasticJob(jobs.Handle):
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
         launcher, self.np = backends.choose(np, options.backend)
-        self._new_launcher = _same_backend(launcher)
+        self._new_launcher = backends.same_backend(launcher)
         self.id = jobs.new_id()
         self.label = label
         self.max_restarts = max_restarts
@@ -427,21 +427,6 @@ class ElasticJob(jobs.Handle):
     def __repr__(self) -> str:
         return (f"<nbdist job {self.id}: {self.np} ranks on {self.state.backend}, "
                 f"{self.state.status}, attempt {len(self._state.attempts)} of {self._state.total}>")
-
-
-def _same_backend(launcher: Any) -> Callable[[], Any]:
-    """How to make a launcher like ``launcher`` again, from any thread.
-
-    The active SparkSession is the calling thread's: it is taken now, in the thread that
-    started the job, since restarts are launched from a thread of the job's own.
-    """
-    if launcher.name == "spark":
-        from nbdist.launch.spark import SparkLauncher, active_session
-
-        session = active_session()
-        return lambda: SparkLauncher(session)
-    kind = type(launcher)
-    return lambda: kind()
 
 
 def _first_line(error: BaseException) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,15 @@ def test_rank_side_modules_stay_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_the_version_is_stated_once_in_its_module_and_matches_the_package_metadata() -> None:
+    """``nbdist.__version__`` is ``_version.__version__``, the number pyproject.toml gives."""
+    import re
+
+    from nbdist._version import __version__
+
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    stated = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
+    assert stated is not None
+    assert nbdist.__version__ == __version__ == stated.group(1)

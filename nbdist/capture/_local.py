@@ -140,7 +140,7 @@ def _local_roots() -> set[str]:
 
 @functools.lru_cache(maxsize=8)
 def _roots_for(path: tuple[str, ...], cwd: str) -> frozenset[str]:
-    from nbdist.rank.runtime import installation_dirs, is_installed
+    from nbdist.rank.host import installation_dirs, is_installed
 
     dirs = installation_dirs()
     skip = _pth_dirs()
