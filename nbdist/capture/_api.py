@@ -23,7 +23,7 @@ from typing import Any
 from nbdist import capture as _package
 from nbdist.capture import _launchers as launchers
 from nbdist.capture._export import function_source, write_export
-from nbdist.capture._local import objects_modules, shipped_code, source_imports
+from nbdist.capture._local import objects_modules, shipped_code
 from nbdist.capture._scope import Flow, Need
 from nbdist.capture._shards import shard_only
 from nbdist.capture._ship import (
@@ -37,6 +37,7 @@ from nbdist.capture._ship import (
 )
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, Lines, has_value, parse
 from nbdist.errors import CaptureError, CaptureWarning
+from nbdist.importscan import source_imports
 from nbdist.protocol import CellPayload, ShippedCode
 from nbdist.rank.shard import ShardPlan
 

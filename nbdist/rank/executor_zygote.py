@@ -757,21 +757,10 @@ class _Server:
         os._exit(70)
 
     def _reap(self) -> None:
-        from nbdist.rank.host import end_orphans
+        from nbdist.rank.host import reap_ranks
 
-        ended = []
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if pid in self.ranks:
-                ended.append((pid, os.waitstatus_to_exitcode(status), self.ranks.pop(pid)))
-        end_orphans(keep=frozenset(self.ranks))
-        for pid, code, conn in ended:
-            self._answer(conn, {"t": "exit", "pid": pid, "code": code})
+        for pid, code in reap_ranks(self.ranks):
+            self._answer(self.ranks.pop(pid), {"t": "exit", "pid": pid, "code": code})
 
     def _unlink(self) -> None:
         """Remove the socket's name if it is still this zygote's (a newer one may have it)."""

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 
 _SITE_NAMES = ("site-packages", "dist-packages")
 
@@ -180,3 +181,27 @@ def end_orphans(keep: frozenset[int] = frozenset(), within: float | None = None)
         if left <= 0:
             return
         signal.sigtimedwait([signal.SIGCHLD], left)  # pending already if one ended meanwhile
+
+
+def reap_ranks(running: Collection[int]) -> list[tuple[int, int]]:
+    """Reap every child that ended; the ranks of ``running`` among them, with their exit codes
+    (``os.waitstatus_to_exitcode``), once what they left behind is killed.
+
+    A zygote's loop, local or on an executor: a rank's orphans are adopted before its own end
+    is signalled, so killing every child that is not a running rank (``end_orphans``) before
+    the caller says the rank ended means its supervisor sees its output pipes close right
+    after. Their own children come here as they die: the next SIGCHLD.
+    """
+    ended = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        if pid in running:
+            ended.append((pid, os.waitstatus_to_exitcode(status)))
+    done = {pid for pid, _ in ended}
+    end_orphans(keep=frozenset(p for p in running if p not in done))
+    return ended

@@ -53,10 +53,10 @@ from nbdist.rank.fork_safety import note_import, recording_thread_starts
 from nbdist.rank.host import (
     become_subreaper,
     changed_file,
-    end_orphans,
     installation_dirs,
     is_installed,
     module_files,
+    reap_ranks,
 )
 from nbdist.rank.supervisor import RankProcess, new_sync_marker
 
@@ -413,25 +413,9 @@ def main() -> None:
 
 
 def _reap(sock: socket.socket, ranks: set[int]) -> None:
-    """Reap what ended; say which ranks did, once what they left behind is killed.
-
-    A rank's orphans are adopted before its own end is signalled, so killing every child that
-    is not a running rank, before the exit goes out, means its supervisor sees its output
-    pipes close right after. Their own children come here as they die: the next SIGCHLD.
-    """
-    ended = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
-        if pid in ranks:
-            ranks.discard(pid)
-            ended.append((pid, os.waitstatus_to_exitcode(status)))
-    end_orphans(keep=frozenset(ranks))
-    for pid, code in ended:
+    """Reap what ended; say which ranks did, once what they left behind is killed."""
+    for pid, code in reap_ranks(ranks):
+        ranks.discard(pid)
         sock.send(_packet({"t": "exit", "pid": pid, "code": code}))
 
 
