@@ -9,15 +9,12 @@ views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) u
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import pickle
 import queue
 import secrets
 import threading
 import time
-import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -27,13 +24,19 @@ from nbdist.capture import call_code
 from nbdist.errors import (
     DistributedError,
     LaunchError,
-    OutputLostWarning,
     Reason,
-    ValuesDroppedError,
 )
+from nbdist.handle import STACKS_WAIT_S as STACKS_WAIT_S
+from nbdist.handle import Handle as Handle
+from nbdist.handle import dropped_error as dropped_error
+from nbdist.handle import get_job as get_job
+from nbdist.handle import jobs as jobs
+from nbdist.handle import new_id as new_id
+from nbdist.handle import register as register
+from nbdist.handle import retain as retain
 from nbdist.launch import Launcher, backends
 from nbdist.launch.payload import payload_env, payload_modules
-from nbdist.options import JobOptions
+from nbdist.options import JobOptions, options_from
 from nbdist.protocol import (
     CallPayload,
     DriverEvent,
@@ -42,17 +45,11 @@ from nbdist.protocol import (
     RankOutcome,
     RankStatus,
 )
+from nbdist.settings import settings
 from nbdist.stacks import Stacks, rank_ranges
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
-#: Finished jobs kept for %dist_status; older ones are forgotten.
-HISTORY = 50
-#: What finished jobs keep of their values (``.result()``, ``.results``), in bytes of pickled
-#: size, in all: the values of the job that ended last are always kept; an older job's are let
-#: go once the jobs after it hold more than this. Such a job stays in %dist_status, and its
-#: ``.result()`` raises :class:`~nbdist.errors.ValuesDroppedError` saying how to keep a value.
-HISTORY_BYTES = 256 * 2**20
 #: How long a cancel may take before the job is declared over anyway.
 TEARDOWN_S = 15.0
 #: How long a finished job waits for its ranks' event channels to drain (their last lines).
@@ -60,8 +57,6 @@ DRAIN_S = 10.0
 #: How often the driver pings the ranks of a remote job (they stop when they hear nothing
 #: for their heartbeat timeout) and looks for ranks it has not heard of itself.
 PING_S = state.HEARTBEAT_S
-#: How long ``stacks()`` waits for the ranks' answers (a supervisor gives a dump 2 s).
-STACKS_WAIT_S = 3.0
 #: Lines of a rank's output shown for a rank that gave no stacks.
 STACKS_TAIL_LINES = 5
 #: What a rank's pdb asks with; the notebook's prompt says which rank asks.
@@ -73,190 +68,6 @@ FORENSICS_S = 2.5
 _FOLDED = frozenset({"out", "progress", "metrics", "res", "hb"})
 
 log = logging.getLogger(__name__)
-_ids = itertools.count(1)
-
-
-class Forensics:
-    """When the driver takes the ranks' stacks on its own (``%config DistMagics.<name>``)."""
-
-    #: Take them once when a running rank printed nothing for this many seconds (None: never).
-    stacks_when_quiet: float | None = None
-
-
-#: Set by the magics' traits; read at every job's start.
-forensics = Forensics()
-
-
-def new_id(prefix: str = "j") -> str:
-    """A job id not used before in this kernel (``j1``, ``j2``, ...)."""
-    return f"{prefix}{next(_ids)}"
-
-class Handle:
-    """What the magics and views use of work on ranks: a :class:`Job`, a session's cell
-    (``session.SessionCell``) or a job that restarts (``elastic.ElasticJob``), in the mould of
-    :class:`concurrent.futures.Future`: :meth:`done`, :meth:`wait`, :meth:`result`,
-    :meth:`exception`, :meth:`cancel`.
-
-    What the work gave back is kept here and read here, once for all three: the error it ended
-    with, every rank's value and their pickled size, whether the values were let go
-    (``HISTORY_BYTES``), what output never reached the notebook. A subclass writes them as its
-    work ends, then sets ``_done``; it says how to wait (:meth:`wait`: the one wait loop,
-    ``nbdist.waiting``) and to cancel (:meth:`cancel`). Where another handle holds the values
-    (a job that restarts: its last attempt), the subclass names it with the one override hook,
-    :meth:`_holder`.
-    """
-
-    id: str
-    np: int
-    state: state.JobState
-    #: What the messages call it ("job", "cell").
-    noun = "job"
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._values: dict[int, Any] = {}  # rank → value, once the work is over
-        self._size = 0  # pickled size of _values
-        self._dropped = False
-        self._lost: str | None = None  # what output never reached the notebook, in words
-        self._warned = False
-        self._values_lock = threading.Lock()
-
-    # -- what a subclass says ------------------------------------------------------------------
-    def wait(
-        self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
-    ) -> bool:
-        """Block until the work is over (True) or ``timeout`` passed (False); ``on_tick`` is
-        called about ten times a second meanwhile (views render there)."""
-        raise NotImplementedError
-
-    def cancel(self, reason: str = "cancelled by the user") -> None:
-        """Stop the work on every rank; it ends as cancelled."""
-        raise NotImplementedError
-
-    def _holder(self) -> Handle:
-        """The handle that holds the values (this one, or a job's last attempt)."""
-        return self
-
-    # -- written once --------------------------------------------------------------------------
-    def done(self) -> bool:
-        """True once every rank has ended and the outcome is known."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's value; raises :class:`DistributedError` if the work failed, and
-        TimeoutError if it still runs after ``timeout`` seconds."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"{self.noun} {self.id} is still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        holder = self._holder()
-        if holder is not self:
-            return holder.result()
-        if self._dropped:
-            raise dropped_error(self.id)
-        if self._lost is not None and not self._warned:
-            self._warned = True
-            warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
-        return self._values.get(0)
-
-    @property
-    def results(self) -> list[Any]:
-        """Every rank's value, index = rank (waits for the work)."""
-        self.result()
-        holder = self._holder()
-        return [holder._values.get(r) for r in range(holder.np)]
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The error the work ended with (None: it succeeded), once it is over."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"{self.noun} {self.id} is still running after {timeout} s")
-        return self._error
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error the work ended with; None while it runs and when it succeeded."""
-        return self._error
-
-    @property
-    def lost_output(self) -> str | None:
-        """What the ranks printed or reported that never reached the notebook, in words."""
-        holder = self._holder()
-        return self._lost if holder is self else holder.lost_output
-
-    def retained_bytes(self) -> int:
-        """Pickled size of the values it holds (0 when it holds none)."""
-        holder = self._holder()
-        if holder is self:
-            return self._size
-        # Nothing until the work is over: the holder's own end counts its values then.
-        return holder.retained_bytes() if self._done.is_set() else 0
-
-    def stacks(self, timeout: float = STACKS_WAIT_S) -> Stacks:
-        """Every live rank's stacks, grouped (``%dist_stacks``)."""
-        raise NotImplementedError
-
-    def drop_values(self) -> None:
-        """Let its values go (see ``HISTORY_BYTES``): ``result()`` then says so."""
-        holder = self._holder()
-        if holder is not self:
-            holder.drop_values()
-            return
-        with self._values_lock:
-            self._dropped = True
-            self._values, self._size = {}, 0
-        self.state.values_dropped = True
-
-
-_jobs: OrderedDict[str, Handle] = OrderedDict()
-_jobs_lock = threading.Lock()
-
-
-def register(job: Handle) -> None:
-    """Add a job to this kernel's list (``%dist_status``), forgetting the oldest ones."""
-    with _jobs_lock:
-        _jobs[job.id] = job
-        while len(_jobs) > HISTORY:
-            _jobs.popitem(last=False)
-
-
-def retain(newest: Handle) -> None:
-    """``newest`` holds its values now: let go of those of jobs that ended before it, once
-    they and the jobs that ended after them hold more than ``HISTORY_BYTES``."""
-    with _jobs_lock:
-        older = [j for j in _jobs.values() if j is not newest and j.retained_bytes()]
-    older.sort(key=lambda j: j.state.ended or 0.0, reverse=True)  # the last to end first
-    total = newest.retained_bytes()
-    for job in older:
-        total += job.retained_bytes()
-        if total > HISTORY_BYTES:
-            job.drop_values()
-
-
-def dropped_error(job_id: str) -> ValuesDroppedError:
-    """What ``.result()`` says of a job whose values were let go."""
-    return ValuesDroppedError(
-        f"job {job_id}'s values were let go to bound the kernel's memory: the jobs after it "
-        f"hold more than {HISTORY_BYTES / 2**20:g} MiB of values (nbdist.job.HISTORY_BYTES). "
-        f"To keep a value, take it when the job ends (x = job.result(), or %%distributed "
-        f"-o VAR for every rank's), or raise nbdist.job.HISTORY_BYTES."
-    )
-
-
-def jobs() -> list[Handle]:
-    """This kernel's jobs, oldest first (the last ``HISTORY`` of them)."""
-    with _jobs_lock:
-        return list(_jobs.values())
-
-
-def get_job(job_id: str | None = None) -> Handle | None:
-    """A job by id; without an id the newest job still running, else the newest."""
-    all_jobs = jobs()
-    if job_id is not None:
-        return next((j for j in all_jobs if j.id == job_id), None)
-    running = [j for j in all_jobs if not j.done()]
-    candidates = running or all_jobs
-    return candidates[-1] if candidates else None
 
 
 def default_gpu(launcher: Launcher) -> bool:
@@ -402,7 +213,7 @@ class Job(Handle):
             raise
         if timeout is not None:
             self._timer = after(timeout, self._on_timeout)
-        quiet = forensics.stacks_when_quiet
+        quiet = settings.stacks_when_quiet
         if quiet and not session:
             threading.Thread(target=self._watch_quiet, args=(quiet,), daemon=True,
                              name=f"nbdist-quiet-{self.id}").start()
@@ -675,30 +486,32 @@ class Job(Handle):
                 f"were stopped", job_id=self.id, reason=Reason.CANCELLED,
                 stacks=self._forensics or "",
             )
+        values: dict[int, Any] | None = None
+        size: int | None = None
         if error is None:
             try:
-                self._values = {o.rank: self._load(o) for o in outcomes}
+                values = {o.rank: self._load(o) for o in outcomes}
             except DistributedError as exc:
                 error = exc
             else:
-                self._size = sum(len(o.result or b"") for o in outcomes)
+                size = sum(len(o.result or b"") for o in outcomes)
         for o in outcomes:
             o.result = None  # the values are kept, not their pickles too
-        self._lost = _lost_output(outcomes, self.address)
-        if self._lost is not None and isinstance(error, DistributedError):
-            error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
+        lost = _lost_output(outcomes, self.address)
+        if lost is not None and isinstance(error, DistributedError):
+            error = DistributedError(f"{error}\n{lost}", job_id=self.id,
                                      reason=error.reason, failures=error.failures,
                                      stacks=error.stacks)
-        self._error = error
         final = state.DONE if error is None else (
             state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else state.FAILED
         )
-        if self._mlflow is not None:
-            self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
-        self.state.finish(final, str(error) if error is not None else self._lost or "")
-        self._done.set()
-        if self._size:
-            retain(self)
+
+        def close() -> None:
+            if self._mlflow is not None:
+                self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
+            self.state.finish(final, str(error) if error is not None else lost or "")
+
+        self._settle(error, close, values=values, size=size, lost=lost)
         if self._owner is not None:
             self._owner.on_finish(self)
 
@@ -1005,6 +818,7 @@ def run(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     mlflow: bool = False,
+    log_dir: str | None = None,
     **kwargs: Any,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the :class:`Job`.
@@ -1026,6 +840,9 @@ def run(
         Log rank 0's reported metrics (``nbdist.report``) into the notebook's active MLflow
         run, with steps (``nbdist.tracking``); a ValueError when there is none. The ranks
         get that run's ``MLFLOW_*`` variables whether or not this is set.
+    log_dir : str, optional
+        Where every rank's complete log goes (``rank-R.log``); default: a folder of the
+        job's under the temporary folder (``--log-dir``).
 
     Returns
     -------
@@ -1034,6 +851,6 @@ def run(
     """
     payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
                             "args": args, "kwargs": kwargs}
-    return start(payload, np, JobOptions(backend=backend, gpu=gpu, timeout=timeout,
-                                         env=dict(env or {}),
-                                         label=getattr(fn, "__name__", "fn"), mlflow=mlflow))
+    options = options_from(getattr(fn, "__name__", "fn"), backend=backend, gpu=gpu,
+                           timeout=timeout, env=env, mlflow=mlflow, log_dir=log_dir)
+    return start(payload, np, options)

@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, logfiles, slices, waiting
+from nbdist import _logcarry, elastic, events, handle, logfiles, settings, slices, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -198,8 +198,11 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
-    job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
-                     mlflow=mlflow, log_dir=log_dir, restarts=restarts)
+    try:
+        job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
+                         mlflow=mlflow, log_dir=log_dir, restarts=restarts)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return Options(
         np=np, job=job, output=args.output, quiet=args.quiet, bg=getattr(args, "bg", False),
         show_source=args.show_source, export=export,
@@ -237,8 +240,11 @@ def _parse_restarts(args: argparse.Namespace, np: int | None) -> Restarts:
     folder = getattr(args, "checkpoint_dir", None)
     if folder is not None and np is None:
         raise UsageError("--checkpoint-dir applies to a job of its own: give -np N")
-    return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
-                    capacity_wait=wait, checkpoint_dir=folder)
+    try:
+        return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
+                        capacity_wait=wait, checkpoint_dir=folder)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _restart_arguments(func: Any) -> Any:
@@ -294,14 +300,14 @@ class DistMagics(Magics):
         help="Seconds after which a Spark rank that hears nothing from the driver stops, and "
         "the driver fails a job (or session) whose connected ranks went silent: a host or "
         "network cut off. At least 10; 0 turns it off. Wins over NBDIST_HEARTBEAT_TIMEOUT. "
-        f"Default: {launch.HEARTBEAT_TIMEOUT_S:g}.",
+        f"Default: {settings.HEARTBEAT_TIMEOUT_S:g}.",
     )
 
     capacity_wait = Float(
-        elastic.CAPACITY_WAIT_S, config=True,
+        settings.CAPACITY_WAIT_S, config=True,
         help="Seconds a job that restarts (--max-restarts) waits for the backend to have the "
         "slots for its ranks again before it fails. --capacity-wait wins. "
-        f"Default: {elastic.CAPACITY_WAIT_S:g}.",
+        f"Default: {settings.CAPACITY_WAIT_S:g}.",
     )
     stacks_when_quiet = Float(
         None, allow_none=True, config=True,
@@ -310,9 +316,30 @@ class DistMagics(Magics):
         "seconds. Default: None (only on a timeout or a cancel).",
     )
 
-    @observe("stacks_when_quiet")
-    def _forensics_setting(self, change: Any) -> None:
-        jobs.forensics.stacks_when_quiet = change["new"]
+    history = Int(
+        50, config=True,
+        help="Finished jobs kept for %dist_status; older ones are forgotten. Default: 50.",
+    )
+    history_mb = Float(
+        256.0, config=True,
+        help="What finished jobs keep of their values, in MiB of pickled size, in all: the "
+        "last job's values are always kept; an older job's are let go once the jobs after it "
+        "hold more (its .result() then says so). Default: 256.",
+    )
+
+    @validate("large_value_mb", "history", "history_mb")
+    def _valid_setting(self, proposal: Any) -> Any:
+        try:
+            settings.Settings().__setattr__(proposal["trait"].name, proposal["value"])
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
+
+    @observe(*settings.names())
+    def _setting(self, change: Any) -> None:
+        # The one home of every knob (nbdist.settings): the engine reads them there at each
+        # launch, also for nbdist.run() called in the notebook.
+        setattr(settings.settings, change["name"], change["new"])
 
     @validate("stacks_when_quiet")
     def _valid_quiet(self, proposal: Any) -> float | None:
@@ -330,10 +357,6 @@ class DistMagics(Magics):
         "directory.",
     )
 
-    @observe("capacity_wait", "checkpoint_root")
-    def _restart_setting(self, change: Any) -> None:
-        setattr(elastic.settings, change["name"], change["new"])
-
     warm_at_load = Bool(
         True, config=True,
         help="At %load_ext nbdist, when torch is installed, start the zygote the first local "
@@ -348,7 +371,7 @@ class DistMagics(Magics):
         value = proposal["value"]
         if value is not None:
             try:
-                launch.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
+                settings.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
             except ValueError as exc:
                 raise TraitError(str(exc)) from None
         return value  # type: ignore[no-any-return]
@@ -367,11 +390,6 @@ class DistMagics(Magics):
             raise TraitError(f"DistMagics.driver_port must be a port number (1-65535, or 0 for "
                              f"any free port), not {value}")
         return value  # type: ignore[no-any-return]
-
-    @observe("driver_host", "driver_port", "heartbeat_timeout")
-    def _network_setting(self, change: Any) -> None:
-        # The engine reads them at each launch, also for nbdist.run() called in the notebook.
-        setattr(launch.settings, change["name"], change["new"])
 
     @magic_arguments()
     @_launch_arguments
@@ -462,7 +480,7 @@ class DistMagics(Magics):
         self, payload: Payload, opts: Options, *, returns: bool,
         on: sessions.Session | None = None,
     ) -> Any:
-        job: jobs.Handle
+        job: handle.Handle
         if on is not None:
             job = on.run_cell(payload, timeout=opts.job.timeout)
         else:
@@ -500,7 +518,7 @@ class DistMagics(Magics):
             self.shell.user_ns[opts.output] = job.results
         return job.result() if returns else None
 
-    def _view(self, job: jobs.Handle) -> LiveView:
+    def _view(self, job: handle.Handle) -> LiveView:
         """The panel in a Jupyter kernel with ipywidgets (or when configured), else text."""
         mode = self.view
         if mode == "auto":
@@ -523,7 +541,7 @@ class DistMagics(Magics):
         """
         job_id, show_timeline, trace, ranks, rank, lines = parse_status(line)
         if job_id is not None:
-            job = jobs.get_job(job_id)
+            job = handle.get_job(job_id)
             if job is None:
                 raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
             if rank is not None:
@@ -546,12 +564,12 @@ class DistMagics(Magics):
                     raise UsageError(f"%dist_status {job_id} --ranks: {exc}") from None
                 display(report)
             return
-        display(status.JobsReport([j.state for j in jobs.jobs()], backends.capacities(),
+        display(status.JobsReport([j.state for j in handle.jobs()], backends.capacities(),
                                   rejected=events.rejected_connections()))
 
     @magic_arguments()
     @argument("job", nargs="?", help="the job (default: the one running)")
-    @argument("--timeout", type=float, default=jobs.STACKS_WAIT_S, metavar="SECONDS",
+    @argument("--timeout", type=float, default=handle.STACKS_WAIT_S, metavar="SECONDS",
               help="how long to wait for the ranks' answers (default %(default)s)")
     @line_magic
     def dist_stacks(self, line: str) -> None:
@@ -562,7 +580,7 @@ class DistMagics(Magics):
         collective, a lock). A rank that does not answer is named with its last lines.
         """
         args = parse_argstring(self.dist_stacks, line)
-        job = jobs.get_job(args.job)
+        job = handle.get_job(args.job)
         if job is None:
             raise UsageError(f"no job {args.job!r}; %dist_status lists the jobs" if args.job
                              else "no nbdist job to show the stacks of")
@@ -606,7 +624,7 @@ class DistMagics(Magics):
     def dist_cancel(self, line: str) -> None:
         """Cancel a job (default: the one running); its ranks are gone within seconds."""
         args = shlex.split(line)
-        job = jobs.get_job(args[0] if args else None)
+        job = handle.get_job(args[0] if args else None)
         if job is None:
             raise UsageError(f"no job {args[0]!r}" if args else "no nbdist job to cancel")
         if job.done():
@@ -795,7 +813,7 @@ def unload(shell: Any) -> None:
     ``%%distributed`` is unknown again.
     ``%load_ext nbdist`` starts over.
     """
-    running = [j.id for j in jobs.jobs() if not j.done()]
+    running = [j.id for j in handle.jobs() if not j.done()]
     if running:
         one = len(running) == 1
         what = f"job {running[0]} is" if one else f"jobs {', '.join(running)} are"

@@ -14,7 +14,8 @@ import nbdist
 def test_exported_members() -> None:
     """nbdist.__all__ is exactly the documented public API."""
     assert sorted(nbdist.__all__) == sorted([
-        "CapacityError", "CaptureError", "DistributedError", "LaunchError", "NbdistError",
+        "CapacityError", "CaptureError", "DistributedError", "Handle", "LaunchError",
+        "NbdistError",
         "checkpoint_dir",
         "load_ipython_extension", "progress", "report", "run", "shard", "unload_ipython_extension",
     ])

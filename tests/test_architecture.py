@@ -252,14 +252,19 @@ def test_the_must_not_column_agrees_with_the_imports_column() -> None:
 
 
 def test_jobs_session_cells_and_restarting_jobs_share_one_result_handle() -> None:
-    """Job, SessionCell and ElasticJob are ``job.Handle`` and none of them writes what the base
-    writes once (result, results, error, retained_bytes, drop_values, done) again."""
+    """Job, SessionCell and ElasticJob are ``handle.Handle`` (the type ``nbdist.run`` returns,
+    exported as ``nbdist.Handle``) and none of them writes what the base writes once (result,
+    results, error, retained_bytes, drop_values, done, and ``_settle``, the one way each ends)
+    again."""
+    import nbdist
     from nbdist.elastic import ElasticJob
-    from nbdist.job import Handle, Job
+    from nbdist.handle import Handle
+    from nbdist.job import Job
     from nbdist.session import SessionCell
 
+    assert nbdist.Handle is Handle
     once = {"result", "results", "exception", "error", "lost_output", "retained_bytes",
-            "drop_values", "done"}
+            "drop_values", "done", "_settle", "settled"}
     for cls in (Job, SessionCell, ElasticJob):
         assert issubclass(cls, Handle), cls
         assert not once & set(vars(cls)), (cls, sorted(once & set(vars(cls))))
