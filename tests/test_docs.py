@@ -96,11 +96,12 @@ def test_a_python_block_that_does_not_parse_is_named_with_its_line() -> None:
 
 
 def test_a_name_or_keyword_nbdist_lacks_is_named() -> None:
-    """nbdist.nope, a keyword nbdist.run does not take, an internal path for an exported class
-    and an unknown DistMagics setting fail; a keyword of the function run on the same page,
-    and nbdist.report's free keywords, pass."""
+    """nbdist.nope (in code or prose), a keyword nbdist.run does not take, an internal path
+    for an exported class and an unknown DistMagics setting fail; a keyword of the function
+    run on the same page, and nbdist.report's free keywords, pass."""
     problems = _problems("""\
         Use `nbdist.nope()` or `nbdist.errors.PullWarning`; `DistMagics.viewz = 'text'`.
+        In prose too: nbdist.gone.
 
         ```python
         def train(lr, epochs=1):
@@ -108,12 +109,13 @@ def test_a_name_or_keyword_nbdist_lacks_is_named() -> None:
         job = nbdist.run(train, np=2, lr=0.1, timout=5)
         ```
         """)
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
     assert any(p.startswith("docs/example.md:1: nbdist.nope does not exist") for p in problems)
+    assert any(p.startswith("docs/example.md:2: nbdist.gone does not exist") for p in problems)
     assert "docs/example.md:1: write nbdist.PullWarning, not nbdist.errors.PullWarning: the " \
            "docs name an exported class by its public name" in problems
     assert any(p.startswith("docs/example.md:1: DistMagics.viewz is no setting") for p in problems)
-    assert any(p.startswith("docs/example.md:6: nbdist.run(... timout=...): 'timout' is not "
+    assert any(p.startswith("docs/example.md:7: nbdist.run(... timout=...): 'timout' is not "
                             "one of its keywords (") and "timeout" in p
                and "nor a parameter of train" in p for p in problems), problems
 
