@@ -35,7 +35,7 @@ from nbdist import _checkpoint, handle, state, tracking
 from nbdist import job as jobs
 from nbdist import settings as _settings
 from nbdist.capture import call_code
-from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason
+from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason, launch_failed
 from nbdist.launch import backends
 from nbdist.options import JobOptions, options_from
 from nbdist.protocol import CallPayload, Payload, RankOutcome
@@ -450,7 +450,7 @@ def _elastic(payload: Payload, np: int, options: JobOptions) -> ElasticJob:
     try:
         return ElasticJob(payload, np, options).start()
     except OSError as exc:
-        raise LaunchError(f"could not start the ranks: {exc}") from exc
+        raise launch_failed(np, options.backend, exc) from exc
 
 
 def run(
