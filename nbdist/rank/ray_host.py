@@ -86,7 +86,7 @@ def worker_pythonpath() -> dict[str, str]:
     """PYTHONPATH for the rank: what the Ray worker imports from besides its installation
     (the driver's directories Ray put on its ``sys.path``, a ``runtime_env`` working
     directory), which a fresh interpreter would not see otherwise."""
-    from nbdist.rank.runtime import installation_dirs, is_installed
+    from nbdist.rank.host import installation_dirs, is_installed
 
     dirs = installation_dirs()
     keep = [entry for entry in sys.path
