@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist import events, launch
+from nbdist._version import __version__
 from nbdist.errors import CapacityError
 from nbdist.launch import Capacity, gpus_text, no_gpu_hint
 from nbdist.protocol import DriverEvent, LaunchRequest, RankOutcome, RankStatus
@@ -281,8 +282,6 @@ class RayLauncher:
 
     # -- running ----------------------------------------------------------------------------
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
-        import nbdist
-
         ray = self._ray
         from ray.util.placement_group import placement_group
 
@@ -323,7 +322,7 @@ class RayLauncher:
             ).remote()
             with self._lock:
                 self._actors.append(actor)
-            refs[actor.run.remote(ranks, fields, nbdist.__version__)] = (ranks, hosts[bundle])
+            refs[actor.run.remote(ranks, fields, __version__)] = (ranks, hosts[bundle])
         threading.Thread(target=self._collect, args=(refs, on_outcome),
                          name=f"nbdist-ray-{request.job_id}", daemon=True).start()
         with self._lock:

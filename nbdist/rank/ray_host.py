@@ -36,12 +36,12 @@ class RankHost:
         """Run ``ranks`` (one per GPU of the actor with ``--gpu``, in the order Ray lists
         them), side by side; their outcomes in the order given."""
         scheduled = time.time()
-        import nbdist
+        from nbdist._version import __version__
 
-        if nbdist.__version__ != version:
+        if __version__ != version:
             return _all_failed(ranks, "ImportError", (
                 f"the notebook has nbdist {version} but the Ray node's Python "
-                f"({sys.executable}) has nbdist {nbdist.__version__}: install the same "
+                f"({sys.executable}) has nbdist {__version__}: install the same "
                 f"version on both"))
         launch = LaunchRequest(**request)
         where = self.where()
