@@ -305,24 +305,28 @@ class RayLauncher:
                 f"is held by other jobs, sessions or actors. The placement group was removed. "
                 f"Stop what holds them (%dist_session stop), wait, or use fewer ranks"
                 + (f"; or {no_gpu_hint(request.np)}" if request.gpu else "") + ".")
-        order, hosts = self._bundle_order(pg, bundles)
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        try:
+            order, hosts = self._bundle_order(pg, bundles)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from nbdist.rank.ray_host import RankHost
+            from nbdist.rank.ray_host import RankHost
 
-        actor_class = ray.remote(RankHost)
-        fields = request.fields()
-        refs: dict[Any, tuple[list[int], str]] = {}
-        for position, bundle in enumerate(order):
-            ranks = list(range(position * k, position * k + k))
-            actor = actor_class.options(
-                num_cpus=shape.get("CPU", 0), num_gpus=shape.get("GPU", 0), max_restarts=0,
-                name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=bundle),
-            ).remote()
-            with self._lock:
-                self._actors.append(actor)
-            refs[actor.run.remote(ranks, fields, __version__)] = (ranks, hosts[bundle])
+            actor_class = ray.remote(RankHost)
+            fields = request.fields()
+            refs: dict[Any, tuple[list[int], str]] = {}
+            for position, bundle in enumerate(order):
+                ranks = list(range(position * k, position * k + k))
+                actor = actor_class.options(
+                    num_cpus=shape.get("CPU", 0), num_gpus=shape.get("GPU", 0), max_restarts=0,
+                    name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=bundle),
+                ).remote()
+                with self._lock:
+                    self._actors.append(actor)
+                refs[actor.run.remote(ranks, fields, __version__)] = (ranks, hosts[bundle])
+        except BaseException:  # nothing of a job that did not start is left on the nodes
+            self._release()
+            raise
         threading.Thread(target=self._collect, args=(refs, on_outcome),
                          name=f"nbdist-ray-{request.job_id}", daemon=True).start()
         with self._lock:
