@@ -61,7 +61,7 @@ from nbdist.protocol import (
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import debugger, localcode, reporting
+from nbdist.rank import debugger, jax_cluster, localcode, reporting
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
 
@@ -784,6 +784,7 @@ def main(guard: bool = True) -> None:
     pacer = Pacer()
     pacer.install()
     _guard_forks(pacer)
+    jax_cluster.install()  # jax.distributed.initialize() finds the job, if the cell uses JAX
     ready: StateEvent = {"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()}
     debugger.install(lambda text: chan.event({"t": "debug", "text": text}))
     stacks = register_stack_dumps()
