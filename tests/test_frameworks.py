@@ -3,7 +3,9 @@
 ``jax.distributed.initialize()`` with no arguments works on every rank because
 ``rank/jax_cluster.py`` adds nbdist to JAX's cluster detection. The unit tests run the hook on
 a stand-in module shaped like ``jax._src.clusters`` (no JAX needed); the rank tests run real JAX
-on CPU ranks (gloo collectives) and skip without it (``nbdist[jax]``).
+on CPU ranks (gloo collectives) and skip without it (``nbdist[jax]``). DeepSpeed's ZeRO-2
+runs from the torchrun environment alone; that test skips without DeepSpeed (not installed by
+CI: it compiles a C++ op on CPU ranks, minutes on a busy machine).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from nbdist.world import Hello, plan_world
 
 needs_jax = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
                                reason="needs jax (nbdist[jax])")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="needs deepspeed (pip install deepspeed)")
 
 
 def _clusters_module() -> types.ModuleType:
@@ -129,3 +133,48 @@ def test_jax_distributed_initialize_needs_no_arguments_on_cpu_ranks() -> None:
     rank's process_index is its RANK, and a psum across processes adds 1 + 2 + 3."""
     results = nbdist.run(_jax_psum, np=3, gpu=False).results
     assert results == [(3, 0, 6.0), (3, 1, 6.0), (3, 2, 6.0)]
+
+
+def _deepspeed_zero2() -> tuple[str, int, int, list[float], float, float]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 2}}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    before = sum(p.double().sum().item() for p in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)  # no launcher, no init_distributed
+    g = torch.Generator().manual_seed(dist.get_rank())  # each rank its own data
+    losses = []
+    for _ in range(5):
+        x = torch.randn(8, 16, generator=g)
+        loss = nn.functional.mse_loss(engine(x), x.sum(1, keepdim=True))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    after = sum(p.double().sum().item() for p in engine.module.parameters())
+    return (str(dist.get_backend()), dist.get_world_size(), engine.zero_optimization_stage(),
+            losses, before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@needs_deepspeed
+def test_deepspeed_zero2_runs_without_its_launcher_on_cpu_ranks() -> None:
+    """deepspeed.initialize with a ZeRO-2 dict config finds the job from nbdist's environment on
+    2 CPU ranks (gloo): ranks train on different data and end with the same weights."""
+    # The first use on a machine compiles DeepSpeed's shared-memory op; build it once here, so
+    # the two ranks do not both wait on the build (minutes on a busy machine) under the job.
+    subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; "
+                    "build_shm_op()"], check=True, timeout=1200, capture_output=True)
+    results = nbdist.run(_deepspeed_zero2, np=2, gpu=False, timeout=600).results
+    assert [r[:3] for r in results] == [("gloo", 2, 2), ("gloo", 2, 2)]
+    assert results[0][3] != results[1][3]  # each rank its own data and losses
+    assert results[0][4] == results[1][4] != results[0][5]  # the same start, trained
+    assert results[0][5] == pytest.approx(results[1][5], abs=1e-9)  # gradients were reduced
