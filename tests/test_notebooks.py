@@ -122,7 +122,7 @@ def test_data_notebook_trains_from_a_spark_dataframe() -> None:
 def test_frameworks_notebook_runs_plain_jax_and_resumes_fsdp2() -> None:
     """Plain JAX initializes with no arguments and psums across both ranks; FSDP2 saves a
     distributed checkpoint, loses rank 1, and both ranks resume from it with the saved weights."""
-    texts = execute("06-frameworks.ipynb")
+    texts = execute("07-frameworks.ipynb")
     jax = texts[1]
     assert "[rank 0] process 0 of 2: psum = 3.0" in jax
     assert "[rank 1] process 1 of 2: psum = 3.0" in jax
