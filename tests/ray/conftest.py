@@ -85,7 +85,9 @@ def ray_cluster() -> Iterator[Any]:
         else:
             sys.modules["ray.dashboard.optional_deps"] = saved  # type: ignore[assignment]
     try:
-        ray.init(address=cluster.address, log_to_driver=False, _node_ip_address=NODES[0][0])
+        # The Cluster names the GCS at this machine's address; it listens on the head's.
+        gcs = f"{NODES[0][0]}:{cluster.address.rsplit(':', 1)[1]}"
+        ray.init(address=gcs, log_to_driver=False, _node_ip_address=NODES[0][0])
         cluster.wait_for_nodes()
         yield cluster
     finally:
