@@ -41,6 +41,7 @@ local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -48,7 +49,7 @@ import pickle
 import signal
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, BinaryIO, Literal, TypedDict, cast
@@ -378,6 +379,15 @@ class ShippedCode:
         # also installs the files, as the payload is read: a ``CallPayload`` holds ``code``
         # before ``fn``, so a function of a shipped module unpickles after its module exists.
         return shipped_code, (self.digest, self.files, self.modules)
+
+
+def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
+    """``ShippedCode.digest`` of these files: sha256 of their paths and contents."""
+    digest = hashlib.sha256()
+    for rel, data in sorted(files):
+        digest.update(rel.encode() + b"\0" + str(len(data)).encode() + b"\0")
+        digest.update(data)
+    return digest.hexdigest()[:32]
 
 
 def shipped_code(digest: str, files: tuple[tuple[str, bytes], ...],

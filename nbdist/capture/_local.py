@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import os
 import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from nbdist.protocol import ShippedCode
+from nbdist.protocol import ShippedCode, code_digest
 
 #: Never shipped, whatever the path says: nbdist must be the ranks' own (a development
 #: checkout is found through a plain ``sys.path`` entry).
@@ -123,11 +122,7 @@ def shipped_code(modules: Iterable[str]) -> ShippedCode | None:
             shipped.append((name + ("/" if is_package else ""), count, size))
     if not files:
         return None
-    digest = hashlib.sha256()
-    for rel in sorted(files):
-        digest.update(rel.encode() + b"\0" + str(len(files[rel])).encode() + b"\0")
-        digest.update(files[rel])
-    return ShippedCode(digest.hexdigest()[:32], tuple(sorted(files.items())),
+    return ShippedCode(code_digest(files.items()), tuple(sorted(files.items())),
                        tuple(sorted(shipped)))
 
 

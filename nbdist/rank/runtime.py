@@ -618,6 +618,7 @@ def _load_payload(data: bytes) -> Payload:
 def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:  # noqa: C901 - one branch per frame kind
     import cloudpickle
 
+    keeping = False  # the last payload's "keep": a session's rank serves on after an error
     while True:
         frame = inbox.get()
         if frame is None or frame[0] == Frame.QUIT:
@@ -629,7 +630,16 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
         if frame[0] == Frame.ENV:
             _set_env(json.loads(frame[1]))
             continue
-        payload: Payload = _load_payload(frame[1])
+        try:
+            payload: Payload = _load_payload(frame[1])
+        except Exception as exc:
+            # Its shipped code could not be installed (a code folder another user made), a
+            # value could not be unpickled: the user's error, said as one, not a crash.
+            chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
+            if not keeping:
+                return
+            continue
+        keeping = bool(payload.get("keep"))
         try:
             reporting.bridge_tqdm()
             chan.event({"t": "state", "state": "running"})
