@@ -330,7 +330,8 @@ class Job(Handle):
             self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
         # Every line of every rank, in a file per rank (an attempt appends to its job's).
-        self._logs = logfiles.RankLogs(options.log_dir or logfiles.default_dir(self.state.id))
+        # Written by a thread of the job's own, never the event server's (``logfiles``).
+        self._logs = logfiles.for_job(self.state.id, options.log_dir, self.state.set_log_error)
         self.state.log_dir = self._logs.folder
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);

@@ -408,6 +408,7 @@ class SessionCell(Handle):
         self.timeout = timeout
         self.state = state.JobState(cell_id, session.launcher.name, session.np)
         self.state.log_dir = session.state.log_dir  # the session's ranks write one log each
+        self.state.log_error = session.state.log_error
         for r in session.state.ranks:  # the ranks' hosts and pids are the session's
             self.state.apply(r.rank, {"t": "hello", "host": r.host,
                                       "gpus": r.gpu.split(",") if r.gpu else []})
