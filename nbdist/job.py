@@ -317,6 +317,7 @@ class Job(Handle):
         session = owner is not None
         self._owner = owner
         self._payload = payload
+        self._payload_bytes = 0  # what the payload pickled to (Job.start)
         self.id = new_id("s" if session else "j")
         self.label = options.label
         self.np = np
@@ -380,6 +381,7 @@ class Job(Handle):
         launcher.check(np, self.gpu)
         # A session's ranks start without a payload: its cells follow on the event channel.
         body = b"" if payload is None else _pickling.dumps(payload)
+        self._payload_bytes = len(body)
         self.address = launcher.driver_address()
         self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
@@ -661,6 +663,8 @@ class Job(Handle):
             self._timer.cancel()
         self._server.remove_job(self.id)
         self._logs.close()
+        if self._payload_bytes >= TRIM_AFTER_BYTES:
+            _trim_heap()
         outcomes = [self._outcomes[r] for r in range(self.np)]
         failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
@@ -983,6 +987,23 @@ def _on_hosts(by_rank: dict[int, str]) -> str:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+#: A job whose payload pickled to this much gives the freed memory back to the system when it
+#: ends (``_trim_heap``): a large notebook package read and pickled in pieces left the kernel
+#: that much bigger, free but kept by the C allocator.
+TRIM_AFTER_BYTES = 32 << 20
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc's ``malloc_trim``; nothing
+    elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def start(payload: Payload, np: int, options: JobOptions | None = None) -> Job:
