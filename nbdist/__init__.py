@@ -12,6 +12,12 @@ In a notebook::
 From Python: ``nbdist.run(fn, *args, np=2).result()``. On a rank: ``nbdist.progress``,
 ``nbdist.report``, and ``nbdist.shard`` for its part of a table. This module is imported on
 every rank, so it stays light: the engine and the magics load on first use.
+
+The exceptions and warnings (drawn as a tree in :mod:`nbdist.errors` and docs/magics.md)::
+
+    NbdistError (CaptureError, CapacityError, LaunchError, SessionError, ValuesDroppedError)
+    DistributedError (a RuntimeError: ranks failed, timed out or were cancelled)
+    CaptureWarning, OutputLostWarning, PullWarning (UserWarning)
 """
 
 from __future__ import annotations
@@ -19,7 +25,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, overload
 
 from nbdist._checkpoint import checkpoint_dir
-from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
+from nbdist.errors import (
+    CapacityError,
+    CaptureError,
+    CaptureWarning,
+    DistributedError,
+    LaunchError,
+    NbdistError,
+    OutputLostWarning,
+    PullWarning,
+    SessionError,
+    ValuesDroppedError,
+)
 from nbdist.rank.reporting import progress, report
 from nbdist.rank.shard import shard
 
@@ -32,9 +49,14 @@ __version__ = "0.1.0"
 __all__ = [
     "CapacityError",
     "CaptureError",
+    "CaptureWarning",
     "DistributedError",
     "LaunchError",
     "NbdistError",
+    "OutputLostWarning",
+    "PullWarning",
+    "SessionError",
+    "ValuesDroppedError",
     "checkpoint_dir",
     "load_ipython_extension",
     "progress",

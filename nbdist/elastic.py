@@ -34,7 +34,7 @@ from typing import Any
 from nbdist import _checkpoint, state, tracking
 from nbdist import job as jobs
 from nbdist.capture import call_code
-from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason
+from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason, launch_failed
 from nbdist.launch import backends
 from nbdist.options import JobOptions, Restarts
 from nbdist.protocol import CallPayload, Payload, RankOutcome
@@ -477,7 +477,7 @@ def _elastic(payload: Payload, np: int, options: JobOptions) -> ElasticJob:
     try:
         return ElasticJob(payload, np, options).start()
     except OSError as exc:
-        raise LaunchError(f"could not start the ranks: {exc}") from exc
+        raise launch_failed(np, options.backend, exc) from exc
 
 
 def run(

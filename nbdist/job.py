@@ -30,6 +30,7 @@ from nbdist.errors import (
     OutputLostWarning,
     Reason,
     ValuesDroppedError,
+    launch_failed,
 )
 from nbdist.launch import Launcher, backends
 from nbdist.launch.payload import payload_env, payload_modules
@@ -1011,11 +1012,11 @@ def start(payload: Payload, np: int, options: JobOptions | None = None) -> Job:
     options = JobOptions() if options is None else options
     launcher, n = backends.choose(np, options.backend)
     if options.timeout is not None and options.timeout <= 0:
-        raise ValueError("timeout must be a positive number of seconds")
+        raise ValueError(f"timeout must be a positive number of seconds, not {options.timeout!r}")
     try:
         return Job(payload, n, launcher, options).start()
     except OSError as exc:
-        raise LaunchError(f"could not start the ranks: {exc}") from exc
+        raise launch_failed(n, launcher.name, exc) from exc
 
 
 def run(

@@ -67,4 +67,4 @@ class JobOptions:
         """A ValueError naming the option when the options cannot run."""
         self.restarts.check()
         if self.timeout is not None and self.timeout <= 0:
-            raise ValueError("timeout must be a positive number of seconds")
+            raise ValueError(f"timeout must be a positive number of seconds, not {self.timeout!r}")

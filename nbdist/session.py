@@ -198,10 +198,12 @@ class Session:
         # Set by every rank's "ready", and by the session's end: stop() ends the wait too.
         if not wait_loop(self._ready_event, timeout, None, cancel=self.stop,
                          teardown_s=2 * STOP_S):
+            late = sorted(set(range(self.np)) - self._ready)
             self.stop()
             raise SessionError(
                 f"session {self.id}: only {len(self._ready)} of {self.np} ranks were "
-                f"ready after {timeout:g} s; it was stopped"
+                f"ready after {timeout:g} s; not ready: {_ranks_on(self.state, late)}. It was "
+                f"stopped; %dist_status {self.id} shows their last lines and how they ended"
             )
         if self.done():
             why = self.broken or self.job.cancel_reason or "its ranks ended before they were ready"
@@ -624,3 +626,13 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def _ranks_on(ranks: state.JobState, which: list[int]) -> str:
+    """``rank 3 (host a)``, ``ranks 1, 2 (not connected)``: the ranks, with where each is."""
+    def where(rank: int) -> str:
+        host = ranks.ranks[rank].host if rank < len(ranks.ranks) else ""
+        return f"on {host}" if host else "not connected"
+
+    noun = "rank" if len(which) == 1 else "ranks"
+    return f"{noun} " + ", ".join(f"{r} ({where(r)})" for r in which)

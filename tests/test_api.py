@@ -14,12 +14,28 @@ def test_exported_members() -> None:
     """nbdist.__all__ is exactly the documented public API."""
     assert sorted(nbdist.__all__) == sorted([
         "CapacityError", "CaptureError", "DistributedError", "LaunchError", "NbdistError",
-        "checkpoint_dir",
+        "SessionError", "ValuesDroppedError", "CaptureWarning", "OutputLostWarning",
+        "PullWarning", "checkpoint_dir",
         "load_ipython_extension", "progress", "report", "run", "shard", "unload_ipython_extension",
     ])
     for name in nbdist.__all__:
         assert getattr(nbdist, name) is not None
     assert issubclass(nbdist.DistributedError, RuntimeError)
+
+
+def test_every_exception_and_warning_of_nbdist_errors_is_exported_and_in_the_tree() -> None:
+    """Each public exception or warning class of nbdist.errors is in nbdist.__all__ (but the
+    SyntaxError subclass IPython shows as its own) and drawn in the module's tree."""
+    import inspect
+
+    from nbdist import errors
+
+    classes = {name for name, value in vars(errors).items()
+               if inspect.isclass(value) and issubclass(value, (Exception, Warning))
+               and value.__module__ == errors.__name__ and not name.startswith("_")}
+    assert classes - {"CellSyntaxError"} <= set(nbdist.__all__)
+    tree = errors.__doc__ or ""
+    assert [name for name in sorted(classes) if f" {name} " not in tree] == []
 
 
 @pytest.mark.slow

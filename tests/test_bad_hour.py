@@ -139,7 +139,8 @@ def test_an_old_oom_record_of_a_reused_pid_is_not_this_ranks(tmp_path: Path) -> 
     many hosts): a record logged before the rank's watch began is another process's."""
     now = death.log_clock()
     log = tmp_path / "kmsg"
-    old, new = int((now - 3600) * 1e6), int((now + 5) * 1e6)
+    # An hour before now, or boot itself on a machine up for less (a negative time is no record).
+    old, new = int(max(0.0, now - 3600) * 1e6), int((now + 5) * 1e6)
     log.write_text(
         f"3,101,{old},-;Memory cgroup out of memory: Killed process 4242 (python) "
         "total-vm:185724kB, anon-rss:94720kB, file-rss:5692kB, shmem-rss:0kB\n"
