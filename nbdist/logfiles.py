@@ -20,6 +20,7 @@ job's log files only. A file is opened without following a link and without bloc
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import stat
@@ -80,8 +81,6 @@ def open_log(path: str) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
                      | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError as exc:
-        import errno
-
         if exc.errno == errno.ELOOP:
             raise LogFileError(exc.errno, f"{path} is a symbolic link (nbdist does not write "
                                           f"through links)") from exc
@@ -123,8 +122,6 @@ class RankLogs:
         self.folder = folder
         self.private_root = private_root
         self.error: str | None = None
-        #: The ranks whose file was opened (they hold what was written before any error).
-        self.written: set[int] = set()
         self._on_error = on_error
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -207,7 +204,6 @@ class RankLogs:
                            f"cannot write rank {rank}'s log file: {exc.strerror}")
                 return
             self._fds[rank] = fd
-            self.written.add(rank)
         try:
             os.write(fd, data)
         except OSError as exc:  # a full disk: the job goes on, its logs stop

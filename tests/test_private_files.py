@@ -212,3 +212,16 @@ def test_a_fifo_log_stalls_neither_its_job_nor_another_jobs_output(tmp_path: Pat
         # Unblocks an event server stuck opening the FIFO (before the fix), so later tests run:
         # a writer waiting in open() goes on once a reader opened, even one gone at once.
         os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+
+
+def test_reading_a_rank_log_that_is_a_fifo_or_a_link_is_refused(tmp_path: Path) -> None:
+    """``%dist_status JOB --rank R`` reads neither a FIFO (it blocked the notebook) nor through
+    a link: a usage error naming the file."""
+    job = running_job(2)
+    job.log_dir = str(tmp_path)
+    fifo(str(tmp_path / "rank-0.log"))
+    os.symlink("/etc/hostname", tmp_path / "rank-1.log")
+    with pytest.raises(ValueError, match=f"{tmp_path}/rank-0.log is not a regular file"):
+        logfiles.tail_text(job, 0, 5)
+    with pytest.raises(ValueError, match=f"{tmp_path}/rank-1.log: Too many levels"):
+        logfiles.tail_text(job, 1, 5)
