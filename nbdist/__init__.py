@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, overload
 
 from nbdist._checkpoint import checkpoint_dir
+from nbdist._version import __version__ as __version__
 from nbdist.errors import (
     CapacityError,
     CaptureError,
@@ -37,6 +38,7 @@ from nbdist.errors import (
     SessionError,
     ValuesDroppedError,
 )
+from nbdist.handle import Handle
 from nbdist.rank.reporting import progress, report
 from nbdist.rank.shard import shard
 
@@ -44,13 +46,13 @@ if TYPE_CHECKING:
     from nbdist.elastic import ElasticJob
     from nbdist.job import Job
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CapacityError",
     "CaptureError",
     "CaptureWarning",
     "DistributedError",
+    "Handle",
     "LaunchError",
     "NbdistError",
     "OutputLostWarning",
@@ -80,18 +82,30 @@ def run(fn: Any, *args: Any, **kwargs: Any) -> Job: ...
 
 
 def run(fn: Any, *args: Any, **kwargs: Any) -> Job | ElasticJob:
-    """Run ``fn`` on N ranks; see :func:`nbdist.job.run` for the parameters.
+    """Run ``fn(*args, **kwargs)`` on N ranks and return its job (a :class:`Job`).
 
-    ``max_restarts=K`` launches every rank again after a fault, up to K times (with
-    ``restart_on_error``, ``capacity_wait`` and ``checkpoint_dir``: :func:`nbdist.elastic.run`).
+    nbdist keeps these keywords for itself, one for each option of ``%%distributed``
+    (``nbdist.options.RUN_KEYWORDS``): ``np`` (ranks, default 2; negative: that many local
+    ranks even when Spark is active), ``backend``, ``gpu``, ``timeout``, ``env``, ``mlflow``,
+    ``log_dir`` (the fields of ``JobOptions``), and ``max_restarts``, ``restart_on_error``,
+    ``capacity_wait``, ``checkpoint_dir`` (those of ``Restarts``: any of them makes a job
+    that restarts, :func:`nbdist.elastic.run`). Every other keyword goes to ``fn``, whose
+    signature is checked against the arguments before launch: a keyword it does not take is
+    a TypeError naming the option of nbdist it is close to (``timout`` → ``timeout``). To
+    give ``fn`` an argument named like one of nbdist's, bind it with ``functools.partial``.
+    A bad option value is a ValueError naming it, before launch.
     """
-    if _ELASTIC & kwargs.keys():
+    from nbdist.options import RUN_KEYWORDS, check_call
+
+    ours = {k: kwargs.pop(k) for k in list(kwargs) if k in RUN_KEYWORDS}
+    check_call(fn, args, kwargs)
+    if _ELASTIC & ours.keys():
         from nbdist.elastic import run as _elastic_run
 
-        return _elastic_run(fn, *args, **kwargs)
+        return _elastic_run(fn, *args, **ours, **kwargs)
     from nbdist.job import run as _run
 
-    return _run(fn, *args, **kwargs)
+    return _run(fn, *args, **ours, **kwargs)
 
 
 _ELASTIC = frozenset({"max_restarts", "restart_on_error", "capacity_wait", "checkpoint_dir"})

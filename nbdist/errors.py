@@ -62,7 +62,8 @@ class CellSyntaxError(SyntaxError):
 
 
 class ValuesDroppedError(_MessageOnly, NbdistError):
-    """A finished job's values were let go to bound the kernel's memory (``job.HISTORY_BYTES``)."""
+    """A finished job's values were let go to bound the kernel's memory (``settings.history_mb``).
+    """
 
 
 class CaptureWarning(UserWarning):

@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, logfiles, slices, waiting
+from nbdist import _logcarry, elastic, events, handle, logfiles, settings, slices, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -124,8 +124,8 @@ def parse_status(line: str) -> StatusArgs:
 
 def unknown_job(job_id: str, magic: str) -> str:
     """What to say about a job id that names no job of this kernel: the ones it has."""
-    known = [j.id for j in jobs.jobs()]
-    running = [j.id for j in jobs.jobs() if not j.done()]
+    known = [j.id for j in handle.jobs()]
+    running = [j.id for j in handle.jobs() if not j.done()]
     if not known:
         return f"no job {job_id!r}: this kernel has run no nbdist job yet"
     if running:
@@ -252,8 +252,11 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
-    job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
-                     mlflow=mlflow, log_dir=log_dir, restarts=restarts)
+    try:
+        job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
+                         mlflow=mlflow, log_dir=log_dir, restarts=restarts)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return Options(
         np=np, job=job, output=args.output, quiet=args.quiet, bg=getattr(args, "bg", False),
         show_source=args.show_source, export=export,
@@ -291,8 +294,11 @@ def _parse_restarts(args: argparse.Namespace, np: int | None) -> Restarts:
     folder = getattr(args, "checkpoint_dir", None)
     if folder is not None and np is None:
         raise UsageError("--checkpoint-dir applies to a job of its own: give -np N")
-    return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
-                    capacity_wait=wait, checkpoint_dir=folder)
+    try:
+        return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
+                        capacity_wait=wait, checkpoint_dir=folder)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _restart_arguments(func: Any) -> Any:
@@ -348,14 +354,14 @@ class DistMagics(Magics):
         help="Seconds after which a Spark rank that hears nothing from the driver stops, and "
         "the driver fails a job (or session) whose connected ranks went silent: a host or "
         "network cut off. At least 10; 0 turns it off. Wins over NBDIST_HEARTBEAT_TIMEOUT. "
-        f"Default: {launch.HEARTBEAT_TIMEOUT_S:g}.",
+        f"Default: {settings.HEARTBEAT_TIMEOUT_S:g}.",
     )
 
     capacity_wait = Float(
-        elastic.CAPACITY_WAIT_S, config=True,
+        settings.CAPACITY_WAIT_S, config=True,
         help="Seconds a job that restarts (--max-restarts) waits for the backend to have the "
         "slots for its ranks again before it fails. --capacity-wait wins. "
-        f"Default: {elastic.CAPACITY_WAIT_S:g}.",
+        f"Default: {settings.CAPACITY_WAIT_S:g}.",
     )
     stacks_when_quiet = Float(
         None, allow_none=True, config=True,
@@ -364,9 +370,30 @@ class DistMagics(Magics):
         "seconds. Default: None (only on a timeout or a cancel).",
     )
 
-    @observe("stacks_when_quiet")
-    def _forensics_setting(self, change: Any) -> None:
-        jobs.forensics.stacks_when_quiet = change["new"]
+    history = Int(
+        50, config=True,
+        help="Finished jobs kept for %dist_status; older ones are forgotten. Default: 50.",
+    )
+    history_mb = Float(
+        256.0, config=True,
+        help="What finished jobs keep of their values, in MiB of pickled size, in all: the "
+        "last job's values are always kept; an older job's are let go once the jobs after it "
+        "hold more (its .result() then says so). Default: 256.",
+    )
+
+    @validate("large_value_mb", "history", "history_mb")
+    def _valid_setting(self, proposal: Any) -> Any:
+        try:
+            settings.Settings().__setattr__(proposal["trait"].name, proposal["value"])
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
+
+    @observe(*settings.names())
+    def _setting(self, change: Any) -> None:
+        # The one home of every knob (nbdist.settings): the engine reads them there at each
+        # launch, also for nbdist.run() called in the notebook.
+        setattr(settings.settings, change["name"], change["new"])
 
     @validate("stacks_when_quiet")
     def _valid_quiet(self, proposal: Any) -> float | None:
@@ -383,10 +410,6 @@ class DistMagics(Magics):
         "reach (shared storage on a cluster). Default: nbdist-checkpoints under the working "
         "directory.",
     )
-
-    @observe("capacity_wait", "checkpoint_root")
-    def _restart_setting(self, change: Any) -> None:
-        setattr(elastic.settings, change["name"], change["new"])
 
     warm_at_load = Bool(
         True, config=True,
@@ -423,7 +446,7 @@ class DistMagics(Magics):
         value = proposal["value"]
         if value is not None:
             try:
-                launch.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
+                settings.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
             except ValueError as exc:
                 raise TraitError(str(exc)) from None
         return value  # type: ignore[no-any-return]
@@ -442,11 +465,6 @@ class DistMagics(Magics):
             raise TraitError(f"DistMagics.driver_port must be a port number (1-65535, or 0 for "
                              f"any free port), not {value}")
         return value  # type: ignore[no-any-return]
-
-    @observe("driver_host", "driver_port", "heartbeat_timeout")
-    def _network_setting(self, change: Any) -> None:
-        # The engine reads them at each launch, also for nbdist.run() called in the notebook.
-        setattr(launch.settings, change["name"], change["new"])
 
     @magic_arguments()
     @_launch_arguments
@@ -541,7 +559,7 @@ class DistMagics(Magics):
         self, payload: Payload, opts: Options, *, returns: bool,
         on: sessions.Session | None = None,
     ) -> Any:
-        job: jobs.Handle
+        job: handle.Handle
         if on is not None:
             job = on.run_cell(payload, timeout=opts.job.timeout)
         else:
@@ -579,7 +597,7 @@ class DistMagics(Magics):
             self.shell.user_ns[opts.output] = job.results
         return job.result() if returns else None
 
-    def _view(self, job: jobs.Handle) -> LiveView:
+    def _view(self, job: handle.Handle) -> LiveView:
         """The panel in a Jupyter kernel with ipywidgets (or when configured), else text."""
         mode = self.view
         if mode == "auto":
@@ -603,7 +621,7 @@ class DistMagics(Magics):
         line = strip_comment(line)  # a trailing '# comment' is not an argument
         job_id, show_timeline, trace, ranks, rank, lines = parse_status(line)
         if job_id is not None:
-            job = jobs.get_job(job_id)
+            job = handle.get_job(job_id)
             if job is None:
                 raise UsageError(unknown_job(job_id, "%dist_status"))
             if rank is not None:
@@ -626,12 +644,12 @@ class DistMagics(Magics):
                     raise UsageError(f"%dist_status {job_id} --ranks: {exc}") from None
                 display(report)
             return
-        display(status.JobsReport([j.state for j in jobs.jobs()], backends.capacities(),
+        display(status.JobsReport([j.state for j in handle.jobs()], backends.capacities(),
                                   rejected=events.rejected_connections()))
 
     @magic_arguments()
     @argument("job", nargs="?", help="the job (default: the one running)")
-    @argument("--timeout", type=float, default=jobs.STACKS_WAIT_S, metavar="SECONDS",
+    @argument("--timeout", type=float, default=handle.STACKS_WAIT_S, metavar="SECONDS",
               help="how long to wait for the ranks' supervisors to answer (default "
               "%(default)s); each rank has 2 s to write its stacks, whatever this is")
     @line_magic
@@ -644,7 +662,7 @@ class DistMagics(Magics):
         """
         line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_stacks, line)
-        job = jobs.get_job(args.job)
+        job = handle.get_job(args.job)
         if job is None:
             raise UsageError(unknown_job(args.job, "%dist_stacks") if args.job
                              else "no nbdist job to show the stacks of")
@@ -690,7 +708,7 @@ class DistMagics(Magics):
         """Cancel a job (default: the one running); its ranks are gone within seconds."""
         line = strip_comment(line)  # a trailing '# comment' is not an argument
         job_id = parse_cancel(line)
-        job = jobs.get_job(job_id)
+        job = handle.get_job(job_id)
         if job is None:
             raise UsageError(unknown_job(job_id, "%dist_cancel") if job_id is not None
                              else "no nbdist job to cancel")
@@ -875,7 +893,7 @@ def unload(shell: Any) -> None:
     ``%%distributed`` is unknown again.
     ``%load_ext nbdist`` starts over.
     """
-    running = [j.id for j in jobs.jobs() if not j.done()]
+    running = [j.id for j in handle.jobs() if not j.done()]
     if running:
         one = len(running) == 1
         what = f"job {running[0]} is" if one else f"jobs {', '.join(running)} are"

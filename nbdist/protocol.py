@@ -33,8 +33,8 @@ The boundaries, and what crosses each (all defined below):
   through ``collect()``, as its plain fields).
 
 Two sockets stay inside one module each, both of their ends in it, and are typed there: the
-local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
-``ExitMsg``) and the Spark executor zygote's (``launch/executor_zygote.py``: ``ChallengeMsg``,
+local zygote's (``rank/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
+``ExitMsg``) and the Spark executor zygote's (``rank/executor_zygote.py``: ``ChallengeMsg``,
 ``HelloMsg``, ``ExecutorReadyMsg``, ``ExecutorForkMsg`` and the ``ExecutorConfig`` on its stdin).
 """
 
@@ -514,6 +514,7 @@ class HelloEvent(TypedDict, total=False):
     gpus: list[int | str]
     tf_port: int  # held for the rank's TensorFlow worker (``TF_CONFIG``)
     port: int  # rank 0: a free port for ``MASTER_PORT``
+    jax_port: int  # rank 0: held for JAX's coordinator (``NBDIST_JAX_COORDINATOR``)
     executor: str  # Spark: the executor's id
     rank: int  # in the backend's own rendezvous (``rank.Gather``), where no connection says it
 

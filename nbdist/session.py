@@ -35,14 +35,8 @@ from nbdist import _pickling, channel, state, values
 from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
-from nbdist.job import (
-    STACKS_WAIT_S,
-    Handle,
-    Job,
-    register,
-    retain,
-    unreachable_hint,
-)
+from nbdist.handle import STACKS_WAIT_S, Handle, register
+from nbdist.job import Job, unreachable_hint
 from nbdist.launch import Launcher, backends
 from nbdist.options import JobOptions
 from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
@@ -501,7 +495,7 @@ class SessionCell(Handle):
 
     def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
         with self._lock:
-            if self._done.is_set() or rank in self._values or rank in self._errors:
+            if self.settled or rank in self._values or rank in self._errors:
                 return
             if error is None:
                 self._values[rank] = value
@@ -543,37 +537,35 @@ class SessionCell(Handle):
             self.end(None)
 
     def end(self, error: BaseException | None) -> None:
-        """The cell is over, with ``error`` or rank values; idempotent."""
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error = error
-            self._done.set()
-        for timer in (self._timer, self._grace):
-            if timer is not None:
-                timer.cancel()
+        """The cell is over, with ``error`` or rank values; idempotent. Its state is closed
+        (and the session free for the next cell) before it reads as done."""
         if error is None:
             final = state.DONE
         else:
             final = state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else (
                 state.FAILED)
-        for r in range(self.np):
-            if r not in self._values and r not in self._errors:
-                self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
-        with self._lock:
-            self._incoming.clear()  # values still arriving are of no use now
-            if error is not None:  # result() raises: the values of the other ranks go too
-                self._values, self._size = {}, 0
-        self.state.finish(final, "" if error is None else str(error))
-        self.session._cell_over(self)
-        if self._size:
-            retain(self)
+
+        def close() -> None:
+            for timer in (self._timer, self._grace):
+                if timer is not None:
+                    timer.cancel()
+            for r in range(self.np):
+                if r not in self._values and r not in self._errors:
+                    self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
+            with self._lock:
+                self._incoming.clear()  # values still arriving are of no use now
+                if error is not None:  # result() raises: the values of the other ranks go too
+                    self._values, self._size = {}, 0
+            self.state.finish(final, "" if error is None else str(error))
+            self.session._cell_over(self)
+
+        self._settle(error, close)
 
     # -- the Handle interface -------------------------------------------------------------------
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""
-        if self._done.is_set():
+        if self.settled:
             return
         with self._lock:
             again = self._interrupted is not None
@@ -587,7 +579,7 @@ class SessionCell(Handle):
         self._grace = after(INTERRUPT_GRACE_S, self._stuck, reason)
 
     def _stuck(self, reason: str) -> None:
-        if self._done.is_set():
+        if self.settled:
             return
         with self._lock:
             running = [r for r in range(self.np) if r not in self._values and

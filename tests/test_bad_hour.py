@@ -18,6 +18,7 @@ from nbdist import job as jobs
 from nbdist import logfiles
 from nbdist.errors import DistributedError
 from nbdist.rank import death
+from nbdist.settings import settings
 from nbdist.views import status
 
 from .helpers import Gate, running_job, wait_for
@@ -463,10 +464,10 @@ def test_stacks_are_taken_once_a_rank_is_quiet_when_configured(
         assert job.results == [0, 1]
         assert "rank 1 printed nothing for 1 s" in status.ranks_table(job.state)
         ip.run_line_magic("config", "DistMagics.stacks_when_quiet = -1")  # refused, logged
-        assert jobs.forensics.stacks_when_quiet == 1.0
+        assert settings.stacks_when_quiet == 1.0
     finally:
         ip.run_line_magic("config", "DistMagics.stacks_when_quiet = None")
-    assert jobs.forensics.stacks_when_quiet is None
+    assert settings.stacks_when_quiet is None
 
 
 # -- the debugger ---------------------------------------------------------------------------------

@@ -18,10 +18,9 @@ import pytest
 import nbdist
 from nbdist import job as jobs
 from nbdist import logfiles, tmpdirs
-from nbdist.launch import executor_zygote
 from nbdist.options import JobOptions
 from nbdist.protocol import CallPayload, ShippedCode, code_digest
-from nbdist.rank import localcode
+from nbdist.rank import executor_zygote, localcode
 from nbdist.views import status, widget
 from nbdist.views.text import TextView
 
