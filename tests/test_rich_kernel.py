@@ -47,7 +47,7 @@ def _stdout(msgs: list[dict[str, Any]]) -> str:
 
 def _pane_outputs(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every output the panel's rank panes (Output widgets) were given."""
-    found = []
+    found: list[dict[str, Any]] = []
     for m in msgs:
         if m["msg_type"] in ("comm_open", "comm_msg"):
             state = m["content"]["data"].get("state") or {}
@@ -112,7 +112,8 @@ def test_text_view_and_a_huge_image(kernel: Any) -> None:  # noqa: F811
         "%%distributed -np -2\nimport os\nfrom IPython.display import HTML, Image, display\n"
         "display(HTML('<b>x</b>'))\n"
         "if os.environ['RANK'] == '1':\n"
-        "    display(Image(data=b'\\x89PNG\\r\\n\\x1a\\n' + os.urandom(50_000_000), format='png'))\n"
+        "    big = b'\\x89PNG\\r\\n\\x1a\\n' + os.urandom(50_000_000)\n"
+        "    display(Image(data=big, format='png'))\n"
     ), timeout=180)
     out = _stdout(msgs)
     assert "[rank 0] <IPython.core.display.HTML object>" in out

@@ -15,13 +15,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from nbdist.rank import rich
 
 
-class FigureManager(FigureManagerBase):  # type: ignore[misc]  # matplotlib's stubs vary
+class FigureManager(FigureManagerBase):
     def show(self) -> None:
         """``fig.show()``: this figure to the notebook (it stays open)."""
         rich.publish(*rich.figure_bundle(self.canvas.figure))
 
 
-class FigureCanvas(FigureCanvasAgg):  # type: ignore[misc]
+class FigureCanvas(FigureCanvasAgg):
     manager_class = FigureManager
 
 

@@ -354,7 +354,7 @@ class Panel(BackgroundRenderer):
             return 0
         self._display_seq = fresh[-1].seq
         sent = 0
-        for i, out in enumerate(self.figures):
+        for i in range(len(self.figures)):
             rank = self.pane_ranks[i] if self.picker is None else self.picker.value
             mine = [d for d in fresh if d.rank == rank]
             if mine:
@@ -378,7 +378,9 @@ class Panel(BackgroundRenderer):
         return 1
 
     def _show_below(self, shown: Sequence[Display]) -> int:
-        from IPython.display import display
+        from IPython import display as ipd
+
+        display: Callable[..., Any] = ipd.display  # untyped in IPython
 
         sent = 0
         for d in shown:
