@@ -418,7 +418,8 @@ class SessionCell(Handle):
         self.id = cell_id
         self.session = session
         self.np = session.np
-        #: The ranks it runs on, in rank order (``--targets``; every rank by default).
+        #: The ranks it runs on, in rank order (``--targets``; every rank by default): its
+        #: result is the first one's value, its results theirs (``Handle.targets``).
         self.targets = tuple(targets) if targets is not None else tuple(range(session.np))
         self.label = label
         self.launcher = session.launcher
@@ -588,18 +589,6 @@ class SessionCell(Handle):
             retain(self)
 
     # -- the Handle interface -------------------------------------------------------------------
-    def result(self, timeout: float | None = None) -> Any:
-        """The value of its first target (rank 0's, unless ``--targets`` left rank 0 out)."""
-        value = super().result(timeout)
-        first = self.targets[0]
-        return value if first == 0 else self._values.get(first)
-
-    @property
-    def results(self) -> list[Any]:
-        """Every target's value, in rank order (every rank's, index = rank, by default)."""
-        self.result()
-        return [self._values.get(r) for r in self.targets]
-
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""

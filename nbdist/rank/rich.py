@@ -322,11 +322,12 @@ def install() -> None:
     if not wanted or _notebook_backend(wanted):
         os.environ["MPLBACKEND"] = BACKEND
     mpl = sys.modules.get("matplotlib")
-    if mpl is None:
+    if mpl is None or os.environ["MPLBACKEND"] != BACKEND:
         return
     try:  # imported before (a warm interpreter): its backend came from the kernel's variable
-        current = str(dict.__getitem__(mpl.rcParams, "backend"))
-        if not _notebook_backend(current):
+        current = dict.__getitem__(mpl.rcParams, "backend")
+        auto = current is getattr(mpl.rcsetup, "_auto_backend_sentinel", None)
+        if not auto and not _notebook_backend(str(current)):
             return
         pyplot = sys.modules.get("matplotlib.pyplot")
         if pyplot is not None:
