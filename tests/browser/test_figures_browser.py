@@ -1,7 +1,7 @@
 """A rank's matplotlib figure in a real browser: JupyterLab and Debian's Chromium (Playwright).
 
-The screenshot ``test-artifacts/figures.png`` (rank 1's tab of the panel, with its figure, and
-rank 0's figure below the panel) is docs/monitoring-figures.png.
+The screenshot ``test-artifacts/figures.png`` (the panel with rank 1's tab open, its figure
+in it) is docs/monitoring-figures.png.
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ def test_a_ranks_figure_shows_in_its_pane_and_rank_zeros_below(
             sync_api.expect(cell.locator(".jp-InputPrompt")).to_have_text(
                 re.compile(r"\[2\]"), timeout=120_000)
             # rank 0's figure below the panel: an output of the cell, outside the panel
-            below = cell.locator(".jp-OutputArea-child:not(:has(.nbdist-panel)) img")
+            below = cell.locator(
+                ".jp-Cell-outputArea > .jp-OutputArea-child:not(:has(.nbdist-panel)) img")
             sync_api.expect(below).to_have_count(1, timeout=30_000)
             cell.locator(".lm-TabBar-tab", has_text="rank 1").first.click()
             pane = page.locator(".nbdist-displays-1 img")
             sync_api.expect(pane).to_be_visible(timeout=30_000)
             size = pane.evaluate("img => [img.naturalWidth, img.naturalHeight]")
-            cell.locator(".jp-Cell-outputWrapper").screenshot(path=str(ARTIFACTS / "figures.png"))
+            cell.locator(".nbdist-panel").screenshot(path=str(ARTIFACTS / "figures.png"))
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "figures-failed.png"), full_page=True)
             raise
