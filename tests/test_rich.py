@@ -122,3 +122,28 @@ def test_a_job_sends_html_and_figures_from_every_rank() -> None:
         assert mine[0].data["text/html"] == f"<b>from {rank}</b>"
         png = base64.b64decode(mine[1].data["image/png"])
         assert png.startswith(b"\x89PNG") and mine[1].text.startswith("<Figure size")
+
+
+def test_display_imports_no_ipython_and_patches_it_once_imported() -> None:
+    """A rank's ``display`` imports no IPython; once the cell imports IPython, its ``display``
+    is nbdist's (the names ``from IPython.display import display`` binds included)."""
+    code = (
+        "import sys\n"
+        "from nbdist.rank import rich\n"
+        "rich.install()\n"
+        "class Obj:\n"
+        "    def _repr_html_(self):\n"
+        "        return '<b>x</b>'\n"
+        "rich.display(Obj())\n"
+        "assert not any(m.split('.')[0] == 'IPython' for m in sys.modules), 'IPython imported'\n"
+        "from IPython.display import display\n"
+        "import IPython.core.display_functions as functions\n"
+        "assert display is rich.display and functions.display is rich.display\n"
+        "print('ok')\n")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.splitlines()  # outside a rank: its text form, printed
+    assert printed[0].startswith("<__main__.Obj object at") and printed[1:] == ["ok"]

@@ -285,8 +285,15 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != _IPYTHON_MODULES[0] or getattr(self._busy, "on", False):
             return None
         self._busy.on = True
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        spec = None
+        try:  # whichever finder would find it (a path, an editable install's finder)
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
         finally:
             self._busy.on = False
         loader = spec.loader if spec is not None else None
