@@ -420,7 +420,8 @@ class SessionCell(Handle):
         self.np = session.np
         #: The ranks it runs on, in rank order (``--targets``; every rank by default): its
         #: result is the first one's value, its results theirs (``Handle.targets``).
-        self.targets = tuple(targets) if targets is not None else tuple(range(session.np))
+        self._ranks = tuple(targets) if targets is not None else tuple(range(session.np))
+        self.targets = self._ranks
         self.label = label
         self.launcher = session.launcher
         self.timeout = timeout
@@ -429,10 +430,10 @@ class SessionCell(Handle):
         for r in session.state.ranks:  # the ranks' hosts and pids are the session's
             self.state.apply(r.rank, {"t": "hello", "host": r.host,
                                       "gpus": r.gpu.split(",") if r.gpu else []})
-            if r.rank in self.targets:
+            if r.rank in self._ranks:
                 self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
-        if len(self.targets) < self.np:
-            self.state.set_note(f"runs on ranks {', '.join(map(str, self.targets))} of "
+        if len(self._ranks) < self.np:
+            self.state.set_note(f"runs on ranks {', '.join(map(str, self._ranks))} of "
                                 f"{self.np} (--targets); the others keep their state")
         self._lock = threading.Lock()
         self._number = int(cell_id.rpartition(".")[2])
@@ -529,7 +530,7 @@ class SessionCell(Handle):
                 if self._first_error is None and error[0] != "KeyboardInterrupt":
                     self._first_error = rank
                     self._first_what = f"{error[0]}: {error[1]}"
-            running = [r for r in self.targets if r not in self._values and
+            running = [r for r in self._ranks if r not in self._values and
                        r not in self._errors]
             first_failure = error is not None and self._interrupted is None and running
         self.state.set_rank(rank, state.DONE if error is None else state.FAILED)
@@ -576,7 +577,7 @@ class SessionCell(Handle):
         else:
             final = state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else (
                 state.FAILED)
-        for r in self.targets:
+        for r in self._ranks:
             if r not in self._values and r not in self._errors:
                 self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
         with self._lock:
@@ -598,7 +599,7 @@ class SessionCell(Handle):
             again = self._interrupted is not None
             if not again:
                 self._interrupted = reason
-            running = [r for r in self.targets if r not in self._values and
+            running = [r for r in self._ranks if r not in self._values and
                        r not in self._errors]
         if again:
             return  # the grace timer below is already running
@@ -609,7 +610,7 @@ class SessionCell(Handle):
         if self._done.is_set():
             return
         with self._lock:
-            running = [r for r in self.targets if r not in self._values and
+            running = [r for r in self._ranks if r not in self._values and
                        r not in self._errors]
         self.session._fail(
             f"ranks {', '.join(map(str, running))} did not stop within {INTERRUPT_GRACE_S:g} s "

@@ -16,8 +16,10 @@ from .test_kernel_live import execute, kernel  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-#: A cell whose ranks each show HTML, a PNG, a figure with plt.show() and one left open.
+#: A cell whose ranks each show HTML, a PNG, a figure with plt.show() and one left open (and
+#: ``%matplotlib inline``, which a rank accepts).
 DRAWS = """%%distributed -np -2
+%matplotlib inline
 import os
 import matplotlib.pyplot as plt
 from IPython.display import HTML, Image, display

@@ -305,7 +305,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             run(module)
             module.display = display  # type: ignore[attr-defined]
 
-        loader.exec_module = exec_module  # type: ignore[method-assign]
+        loader.exec_module = exec_module
         return spec
 
 
