@@ -147,3 +147,35 @@ def test_display_imports_no_ipython_and_patches_it_once_imported() -> None:
     assert done.returncode == 0, done.stderr
     printed = done.stdout.splitlines()  # outside a rank: its text form, printed
     assert printed[0].startswith("<__main__.Obj object at") and printed[1:] == ["ok"]
+
+
+def test_the_panel_shows_a_display_that_came_before_it_was_shown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's display that reached the state before the panel was shown (a fast session
+    cell) still goes below the panel; rank 1's goes to its pane only."""
+    pytest.importorskip("ipywidgets")
+    import IPython.display as ipd
+
+    from nbdist.views.widget import Panel
+
+    shown: list[tuple[Any, dict[str, Any]]] = []
+
+    class Handle:
+        def update(self, obj: Any) -> None:
+            pass
+
+    def display(*objs: Any, **kwargs: Any) -> Any:
+        shown.extend((obj, kwargs) for obj in objs)
+        return Handle() if kwargs.get("display_id") else None
+
+    monkeypatch.setattr(ipd, "display", display)
+    job = JobState("j", "local", 2)
+    job.apply(0, {"t": "display", "data": {"text/html": "<b>0</b>", "text/plain": "h"}})
+    job.apply(1, {"t": "display", "data": {"text/html": "<b>1</b>", "text/plain": "h"}})
+    panel = Panel(job)  # renders once before ``show``, as the magics do
+    panel.show()
+    job.finish("done")
+    panel.close()
+    below = [obj for obj, kw in shown if kw.get("raw")]
+    assert below == [{"text/html": "<b>0</b>", "text/plain": "[rank 0] h"}]
+    assert [o["data"]["text/html"] for o in panel.figures[1].outputs] == ["<b>1</b>"]

@@ -346,6 +346,8 @@ class Panel(BackgroundRenderer):
         """New displays: in their rank's pane (at most every ``DISPLAY_EVERY_S``), and rank
         0's below the panel too, as the kernel would show them."""
         now = time.monotonic()
+        if self._handle is None and not final:
+            return 0  # not shown yet (the first render, before ``show``): rank 0's wait for it
         if not final and now - self._displays_at < DISPLAY_EVERY_S:
             return 0
         self._displays_at = now
