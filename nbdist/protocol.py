@@ -41,6 +41,7 @@ local zygote's (``rank/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``Fo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -48,7 +49,7 @@ import pickle
 import signal
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, BinaryIO, Literal, TypedDict, cast
@@ -380,6 +381,15 @@ class ShippedCode:
         return shipped_code, (self.digest, self.files, self.modules)
 
 
+def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
+    """``ShippedCode.digest`` of these files: sha256 of their paths and contents."""
+    digest = hashlib.sha256()
+    for rel, data in sorted(files):
+        digest.update(rel.encode() + b"\0" + str(len(data)).encode() + b"\0")
+        digest.update(data)
+    return digest.hexdigest()[:32]
+
+
 def shipped_code(digest: str, files: tuple[tuple[str, bytes], ...],
                  modules: tuple[tuple[str, int, int], ...]) -> ShippedCode:
     """A ``ShippedCode`` as unpickled anywhere but on a rank (see ``ShippedCode.__reduce__``)."""
@@ -676,12 +686,32 @@ class ResultEvent(TypedDict, total=False):
     bytes: list[int]  # which of the sizes are ``bytes`` objects (``values.bytes_segments``)
 
 
+#: The most a rank's one display may weigh, its mime bundle as sent (base64 for images): an
+#: event travels as one line of the event channel (``events.MAX_LINE_BYTES``, 16 MiB) and
+#: reaches the notebook as one IOPub message. A bigger representation is left out, and the
+#: display says so (``DisplayEvent.note``).
+MAX_DISPLAY_BYTES = 8_000_000
+
+
+class DisplayEvent(TypedDict, total=False):
+    """Rich output of a rank (``display(obj)``, a matplotlib figure): a Jupyter mime bundle
+    (``data``: mime type → str, base64 for binary types, or JSON for ``application/json``;
+    ``metadata`` likewise), as the kernel would publish it. ``size``: the bundle's bytes as
+    sent; ``note``: what was left out to stay within ``MAX_DISPLAY_BYTES``, in words."""
+
+    t: Literal["display"]
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    size: int
+    note: str
+
+
 #: Everything a rank sends: its interpreter to its supervisor (``Frame.EVENT``), and its
 #: supervisor to the driver (the event channel).
 RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
              | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
              | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent
-             | DebugEvent)
+             | DebugEvent | DisplayEvent)
 
 
 class WorldEvent(TypedDict):

@@ -320,6 +320,14 @@ class SparkLauncher:
         """
         bind = self._conf("spark.driver.bindAddress") if not self.connect else ""
         host, host_from = launch.setting("driver_host")
+        if not self.connect and not bind and not host and str(
+                self._conf("spark.master") or "").startswith("local"):
+            # Every rank runs on this machine (a local[N] master): loopback, as the local
+            # backend, unless Spark's own bind address or nbdist's driver host says otherwise.
+            return events.DriverAddress(
+                "127.0.0.1", "127.0.0.1", self._port(),
+                "on 127.0.0.1 (loopback: spark.master is local and spark.driver.bindAddress "
+                "is not set), advertised as 127.0.0.1")
         if not host and self.connect:
             # The notebook is Spark Connect's client, not Spark's driver: spark.driver.host
             # is the server's machine. The ranks reach this one, at the address it reaches the
@@ -336,6 +344,19 @@ class SparkLauncher:
                 (str(spark_host), "spark.driver.host") if spark_host
                 else (channel.hostname_for_peers(), "this machine's address")
             )
+        port = self._port()
+        _, port_from = launch.setting("driver_port")
+        source = (
+            f"on {events.interface_text(bind)} (spark.driver.bindAddress"
+            f"{f'={bind}' if bind else ' is not set'})"
+            f"{f', port {port} ({port_from})' if port else ''}, advertised as {host} "
+            f"({host_from})"
+        )
+        return events.DriverAddress(bind, host, port, source)
+
+    @staticmethod
+    def _port() -> int:
+        """The event server's fixed port (``DistMagics.driver_port``), or 0 for any."""
         port_text, port_from = launch.setting("driver_port")
         try:
             port = int(port_text or 0)
@@ -344,13 +365,7 @@ class SparkLauncher:
         if not 0 <= port <= 65535:
             raise ValueError(f"{port_from} must be a port number (1-65535, or 0 for any), "
                              f"not {port}")
-        source = (
-            f"on {events.interface_text(bind)} (spark.driver.bindAddress"
-            f"{f'={bind}' if bind else ' is not set'})"
-            f"{f', port {port} ({port_from})' if port else ''}, advertised as {host} "
-            f"({host_from})"
-        )
-        return events.DriverAddress(bind, host, port, source)
+        return port
 
     def ranks_per_task(self, gpu: bool) -> int:
         """Ranks each barrier task runs: with ``gpu``, one per GPU of the task

@@ -93,7 +93,8 @@ class JobWork:
 
     def begin(self, rank: _Interpreter, env: bytes) -> None:
         # A send fails when the rank died at start-up: its exit status and stderr say why.
-        if rank.send(Frame.ENV, env) and rank.send(Frame.PAYLOAD, self._payload):
+        payload, self._payload = self._payload, b""  # sent once; not kept for the job's life
+        if rank.send(Frame.ENV, env) and rank.send(Frame.PAYLOAD, payload):
             rank.send(Frame.QUIT, b"")
 
     def on_message(self, msg: Mapping[str, Any], rank: _Interpreter | None) -> None:

@@ -353,6 +353,9 @@ class Supervisor:
         #: What the rank runs: all that differs between a job's rank and a session's.
         self._work: RankWork = (SessionCells(spec.secret, self._send_all, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
+        # The work holds the payload until it is sent; the spec (kept by the backend with the
+        # job) need not (a large notebook package was kept in the kernel after its job).
+        spec.payload = b""
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._stacks_path: str | None = None  # where the rank writes its stack dumps
