@@ -493,7 +493,13 @@ class DistMagics(Magics):
         "Default: 30.",
     )
 
-    @observe("ray_gpus_per_bundle", "ray_strategy", "ray_placement_wait")
+    ray_cpus_per_rank = Float(
+        None, allow_none=True, config=True,
+        help="CPUs each Ray rank reserves in its bundle (0 or more). Wins over "
+        "NBDIST_RAY_CPUS_PER_RANK. Default: 1.",
+    )
+
+    @observe("ray_gpus_per_bundle", "ray_strategy", "ray_placement_wait", "ray_cpus_per_rank")
     def _ray_setting(self, change: Any) -> None:
         from nbdist.launch import ray as ray_backend  # imports no Ray
 

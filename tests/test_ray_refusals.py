@@ -59,3 +59,21 @@ def test_local_rank_counts_and_bad_settings_are_refused(monkeypatch: Any) -> Non
         ray_backend.placement()
     monkeypatch.setenv("NBDIST_RAY_GPUS_PER_BUNDLE", "4")
     assert ray_backend.placement()[:2] == (4, "SPREAD")
+
+
+def test_the_config_traits_set_the_ray_settings(ip: Any) -> None:
+    """%config DistMagics.ray_* sets what placement() reads, over the environment; a negative
+    CPU count names its setting."""
+    try:
+        ip.run_line_magic("config", "DistMagics.ray_cpus_per_rank = 0.5")
+        ip.run_line_magic("config", "DistMagics.ray_strategy = 'STRICT_SPREAD'")
+        ip.run_line_magic("config", "DistMagics.ray_placement_wait = 7.0")
+        ip.run_line_magic("config", "DistMagics.ray_gpus_per_bundle = 2")
+        assert ray_backend.placement() == (2, "STRICT_SPREAD", 7.0, 0.5)
+        ip.run_line_magic("config", "DistMagics.ray_cpus_per_rank = -1.0")
+        with pytest.raises(ValueError, match="ray_cpus_per_rank must be 0 or more"):
+            ray_backend.placement()
+    finally:
+        for name in ("cpus_per_rank", "strategy", "placement_wait", "gpus_per_bundle"):
+            ip.run_line_magic("config", f"DistMagics.ray_{name} = None")
+    assert ray_backend.placement() == (1, "PACK", 30.0, 1.0)

@@ -1,19 +1,28 @@
 """One real Ray for the tests of the Ray backend: a two-node ``ray.cluster_utils.Cluster``
 (two raylets on this machine, the second on 127.0.0.2 so that the ranks really are on two
 hosts), each node with 4 logical CPUs and 2 logical GPUs, started once for the package (Ray
-takes tens of seconds to start on the busy 2-core machine) and shut down after its last test.
+takes tens of seconds to start on a busy 2-core machine) and shut down after its last test.
+
+The cluster is started explicitly and connected to by its own address: nothing depends on a
+Ray the machine already runs or on the ``ray_current_cluster`` file a killed cluster leaves in
+``/tmp/ray``. Ray's files (sessions, logs, sockets, that file) go to a folder of this test
+run (``RAY_TMPDIR``), not ``/tmp/ray``. A cluster that cannot start within
+``START_DEADLINE_S`` fails every Ray test with what Ray's raylets said, and is torn down.
 
 A process of one Ray cannot join another while it is connected, so every Ray test shares this
 one; a test that needs another shape (node-level launch, a capacity error) changes nbdist's
-Ray settings, never the cluster, except the node-loss test, which adds and removes a node of
-its own.
+Ray settings, never the cluster.
 """
 
 from __future__ import annotations
 
+import glob
 import os
-import sys
+import socket
+import tempfile
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -21,84 +30,124 @@ import pytest
 
 from nbdist.launch import ray as ray_backend
 
-from ..helpers import none_left, rank_processes
+from ..helpers import none_left, rank_processes, wait_for
 
 ray = pytest.importorskip("ray")
 
 #: The nodes: (address, CPUs, GPUs).
 NODES = (("127.0.0.1", 4, 2), ("127.0.0.2", 4, 2))
+#: How long the two nodes may take to start and register (measured: 20-40 s on a loaded
+#: 2-core machine); past it every Ray test fails, none hangs.
+START_DEADLINE_S = 240.0
+#: A Unix socket's path must fit in 108 bytes: Ray's longest under its temporary folder.
+_SOCKET_TAIL = "/ray/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store.1"
 
 
-#: Tries at starting the cluster: on the loaded 2-core machine a raylet may abort because its
-#: dashboard agent did not write its port file within Ray's fixed 15 s.
-START_TRIES = 3
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def start_cluster() -> Any:
-    """The two nodes, up and listed; raises what the last try raised."""
+def node_args(ip: str, cpus: int, gpus: int) -> dict[str, Any]:
+    """One node's arguments. The agents' ports are given, not chosen by the agents: the
+    raylet then does not wait for the dashboard agent to write its port file (Ray aborts the
+    raylet when that takes over its fixed wait, which a loaded machine exceeds)."""
+    return {"num_cpus": cpus, "num_gpus": gpus, "node_ip_address": ip,
+            "include_log_monitor": False, "metrics_agent_port": free_port(),
+            "metrics_export_port": free_port(), "dashboard_agent_listen_port": free_port(),
+            "runtime_env_agent_port": free_port()}
+
+
+def ray_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where Ray keeps its files for this run: under pytest's temporary folder when its socket
+    paths fit there, else a short folder of its own under the system's."""
+    base = tmp_path_factory.mktemp("ray")
+    if len(str(base)) + len(_SOCKET_TAIL) < 108:
+        return base
+    return Path(tempfile.mkdtemp(prefix="nbdist-ray-"))
+
+
+def raylet_said(root: Path) -> str:
+    """The last lines of the raylets' logs under ``root``: why a node did not start."""
+    lines = []
+    for log in sorted(glob.glob(str(root / "ray" / "session_*" / "logs" / "raylet*.out"))):
+        with open(log, errors="replace") as f:
+            tail = [line.rstrip() for line in f.readlines()[-200:]]
+        lines += [line for line in tail if " C " in line or " E " in line][-3:]
+    return "\n".join(lines) or "(the raylets logged no error)"
+
+
+def registered(gcs: str, node: Any) -> None:
+    """Wait until ``node`` is in the GCS's table; fail at once when one of its processes died
+    (a raylet that aborted), or after ``START_DEADLINE_S``."""
+    from ray._private.services import wait_for_node
+
+    deadline = time.monotonic() + START_DEADLINE_S
+    while True:
+        try:
+            wait_for_node(gcs, node.plasma_store_socket_name, 2)
+            return
+        except TimeoutError:
+            if not node.remaining_processes_alive():
+                raise RuntimeError("a process of the Ray node at "
+                                   f"{node.node_ip_address} died while it started") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Ray node at {node.node_ip_address} did not register "
+                                   f"within {START_DEADLINE_S:g} s") from None
+
+
+def start_cluster(started: list[Any]) -> None:
+    """Start the two nodes and connect this process as the driver, each wait bounded by
+    ``START_DEADLINE_S`` (the test's own timeout bounds the whole); what was made goes into
+    ``started`` at once, so that a start that fails is torn down."""
     from ray.cluster_utils import Cluster
 
     (head_ip, head_cpus, head_gpus), (ip, cpus, gpus) = NODES
-    for attempt in range(START_TRIES):
-        cluster = None
-        try:
-            cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": head_cpus, "num_gpus": head_gpus, "node_ip_address": head_ip,
-                "include_dashboard": False, "include_log_monitor": False})
-            cluster.add_node(num_cpus=cpus, num_gpus=gpus, node_ip_address=ip,
-                             include_log_monitor=False)
-            return cluster
-        except Exception:
-            if cluster is not None:
-                cluster.shutdown()
-            if attempt == START_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+    cluster = Cluster(initialize_head=False)
+    started.append(cluster)
+    # Ray's own wait for a node is 30 s: too short on a loaded machine; ours instead.
+    head = cluster.add_node(wait=False, include_dashboard=False,
+                            **node_args(head_ip, head_cpus, head_gpus))
+    # The Cluster may name the GCS at this machine's address; it listens on the head's.
+    gcs = f"{head_ip}:{cluster.address.rsplit(':', 1)[1]}"
+    registered(gcs, head)
+    registered(gcs, cluster.add_node(wait=False, **node_args(ip, cpus, gpus)))
+    ray.init(address=gcs, log_to_driver=False, _node_ip_address=head_ip)
+    cluster.wait_for_nodes(timeout=START_DEADLINE_S)
 
 
-@pytest.fixture(scope="package")
-def ray_cluster() -> Iterator[Any]:
-    """The package's two-node Ray cluster, with this process connected as its driver."""
-    if _FAILED:  # pytest sets a failed fixture up again for every test: not another try
-        raise _FAILED[0]
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray's daemons start at a higher priority than the rest of the machine's work, and its
-    # dashboard agent in its minimal form (what `pip install ray` without [default] runs):
-    # the raylet gives the agent a fixed 15 s to start, which six other helpers' test runs
-    # on two cores can exceed. Neither changes what nbdist does on Ray.
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    saved = sys.modules.get("ray.dashboard.optional_deps", _MISSING)
-    sys.modules["ray.dashboard.optional_deps"] = None  # type: ignore[assignment]
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, -15)
-    except OSError:  # not root: the default priority
-        pass
-    try:
-        cluster = start_cluster()
-    except Exception as exc:
-        _FAILED.append(exc)
-        raise
-    finally:
-        os.setpriority(os.PRIO_PROCESS, 0, before) if os.getuid() == 0 else None
-        if saved is _MISSING:
-            del sys.modules["ray.dashboard.optional_deps"]
-        else:
-            sys.modules["ray.dashboard.optional_deps"] = saved  # type: ignore[assignment]
-    try:
-        # The Cluster names the GCS at this machine's address; it listens on the head's.
-        gcs = f"{NODES[0][0]}:{cluster.address.rsplit(':', 1)[1]}"
-        ray.init(address=gcs, log_to_driver=False, _node_ip_address=NODES[0][0])
-        cluster.wait_for_nodes()
-        yield cluster
-    finally:
-        ray_backend.shutdown()
-        ray.shutdown()
+def stop_cluster(started: list[Any]) -> None:
+    ray_backend.shutdown()
+    ray.shutdown()
+    for cluster in started:
         cluster.shutdown()
 
 
-_MISSING = object()
-#: Why the cluster could not start, once it could not.
-_FAILED: list[Exception] = []
+@pytest.fixture(scope="package")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The package's two-node Ray cluster, with this process connected as its driver; pytest
+    keeps a failed start's error for the package's other tests (one try per run)."""
+    root = ray_tmpdir(tmp_path_factory)
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED",
+                                              "RAY_agent_register_timeout_ms")}
+    os.environ.update({"RAY_TMPDIR": str(root), "RAY_USAGE_STATS_ENABLED": "0",
+                       "RAY_agent_register_timeout_ms": str(int(START_DEADLINE_S * 1000))})
+    started: list[Any] = []
+    try:
+        try:
+            start_cluster(started)
+        except Exception as exc:
+            pytest.fail(f"the Ray test cluster could not start ({type(exc).__name__}: {exc}); "
+                        f"the raylets said:\n{raylet_said(root)}", pytrace=False)
+        yield started[0]
+    finally:
+        stop_cluster(started)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture
@@ -139,6 +188,6 @@ def no_leftover_ray() -> Iterator[None]:
     yield
     none_left(rank_processes)
     none_left(rank_hosts, what="nbdist's Ray actors left running after the test")
-    from ..helpers import wait_for
-
+    if not ray.is_initialized():  # the cluster did not start: nothing of a job to look for
+        return
     wait_for(lambda: not groups_left(), 10.0, "nbdist's placement groups to be removed")
