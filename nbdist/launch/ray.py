@@ -358,6 +358,9 @@ class RayLauncher:
         try:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
+                if not pending:  # the job ends with these outcomes: nothing of it stays after
+                    self._finished.set()
+                    self._release()
                 for ref in done:
                     ranks, node = refs[ref]
                     try:

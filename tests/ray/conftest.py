@@ -1,6 +1,6 @@
 """One real Ray for the tests of the Ray backend: a two-node ``ray.cluster_utils.Cluster``
-(two raylets on this machine, the second on 127.0.0.2 so that the ranks really are on two
-hosts), each node with 4 logical CPUs and 2 logical GPUs, started once for the package (Ray
+(two raylets on this machine, the head on its address, the second on 127.0.0.2 so that the
+ranks really are on two hosts), each node with 4 logical CPUs and 2 logical GPUs, started once for the package (Ray
 takes tens of seconds to start on a busy 2-core machine) and shut down after its last test.
 
 The cluster is started explicitly and connected to by its own address: nothing depends on a
@@ -34,8 +34,11 @@ from ..helpers import none_left, rank_processes, wait_for
 
 ray = pytest.importorskip("ray")
 
-#: The nodes: (address, CPUs, GPUs).
-NODES = (("127.0.0.1", 4, 2), ("127.0.0.2", 4, 2))
+#: The head's address: this machine's, as Ray finds it. Ray connects to 127.0.0.1 through that
+#: address (``resolve_ip_for_localhost``), so a head on 127.0.0.1 cannot be reached.
+HEAD_IP = str(ray.util.get_node_ip_address())
+#: The nodes: (address, CPUs, GPUs); the second on a loopback address of its own.
+NODES = ((HEAD_IP, 4, 2), ("127.0.0.2" if HEAD_IP != "127.0.0.2" else "127.0.0.3", 4, 2))
 #: How long the two nodes may take to start and register (measured: 20-40 s on a loaded
 #: 2-core machine); past it every Ray test fails, none hangs.
 START_DEADLINE_S = 240.0
@@ -45,7 +48,7 @@ _SOCKET_TAIL = "/ray/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_s
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
@@ -109,8 +112,7 @@ def start_cluster(started: list[Any]) -> None:
     # Ray's own wait for a node is 30 s: too short on a loaded machine; ours instead.
     head = cluster.add_node(wait=False, include_dashboard=False,
                             **node_args(head_ip, head_cpus, head_gpus))
-    # The Cluster may name the GCS at this machine's address; it listens on the head's.
-    gcs = f"{head_ip}:{cluster.address.rsplit(':', 1)[1]}"
+    gcs = cluster.address
     registered(gcs, head)
     registered(gcs, cluster.add_node(wait=False, **node_args(ip, cpus, gpus)))
     ray.init(address=gcs, log_to_driver=False, _node_ip_address=head_ip)
