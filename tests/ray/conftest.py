@@ -1,7 +1,8 @@
 """One real Ray for the tests of the Ray backend: a two-node ``ray.cluster_utils.Cluster``
 (two raylets on this machine, the head on its address, the second on 127.0.0.2 so that the
-ranks really are on two hosts), each node with 4 logical CPUs and 2 logical GPUs, started once for the package (Ray
-takes tens of seconds to start on a busy 2-core machine) and shut down after its last test.
+ranks really are on two hosts), each node with 4 logical CPUs and 2 logical GPUs, started
+once for the package (Ray takes tens of seconds to start on a busy 2-core machine) and shut
+down after its last test.
 
 The cluster is started explicitly and connected to by its own address: nothing depends on a
 Ray the machine already runs or on the ``ray_current_cluster`` file a killed cluster leaves in
