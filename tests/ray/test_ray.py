@@ -142,3 +142,18 @@ def test_a_busy_cluster_fails_within_the_placement_wait(on_ray: Any, ip: Any,
         if live is not None and live.alive:
             live.stop()
     wait_for(lambda: not groups_left(), 10, "the session's group to be removed")
+
+
+@pytest.mark.timeout(400)
+def test_the_ray_notebook_runs_its_cells_on_the_cluster(on_ray: Any, monkeypatch: Any) -> None:
+    """notebooks/08-ray.ipynb in a real kernel: its ray.init() joins this cluster (RAY_ADDRESS,
+    no second Ray), two CPU ranks all-reduce on it and %dist_status lists its capacity."""
+    from ..test_notebooks import execute
+
+    monkeypatch.setenv("RAY_ADDRESS", on_ray.address)
+    texts = execute("08-ray.ipynb")
+    assert "Ray nodes: 2" in texts[0]
+    assert "[rank 0] node rank 0, local rank 0, sum 3" in texts[1]
+    assert "[rank 1]" in texts[1] and "sum 3" in texts[1].split("[rank 1]")[1]
+    assert texts[1].rstrip().endswith("3")  # rank 0's value is the cell's result
+    assert "Ray cluster: 2 nodes, 8 CPUs" in texts[2]
