@@ -46,7 +46,7 @@ def one(op: str, mb: int, np_: int) -> dict[str, Any]:
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "nbdist")
     ip.run_line_magic("dist_session", f"start -np -{np_}")
-    ip.run_line_magic("config", "DistMagics.large_value_mb = 0")  # no size warning
+    ip.run_line_magic("config", "DistMagics.large_value_mb = 100000")  # no size warning
     n = mb * 10**6
     ip.user_ns["x"] = numpy.frombuffer(numpy.random.bytes(n), dtype=numpy.uint8).copy()
     gc.collect()
