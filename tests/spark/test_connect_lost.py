@@ -71,23 +71,33 @@ def _wait_at(gate: Gate) -> int:
     return 1
 
 
-def test_a_killed_connect_server_ends_the_job_and_names_it(
-        doomed: ConnectServer, tmp_path: Path) -> None:
-    """Killing the Connect server under two running ranks fails the job within a few seconds
-    (well before its timeout), naming the server; a later Spark cell is refused at once with
-    the fix, and local ranks still run."""
+def test_a_killed_connect_server_ends_its_jobs_and_names_it(
+        doomed: ConnectServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killing the Connect server under two jobs: the watched one (2 ranks) fails within
+    seconds, well before its timeout, naming the server; the unwatched one (1 rank: a server
+    behind a proxy looks alive) ends at its timeout plus the stated grace; a later Spark cell
+    is refused at once with the fix, and local ranks still run."""
+    watch = spark_backend.SparkLauncher._watch_server
+    monkeypatch.setattr(spark_backend.SparkLauncher, "_watch_server",
+                        lambda self, req: None if req.np == 1 else watch(self, req))
     gate = Gate(tmp_path / "gate")
-    job = nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=300)
+    watched = nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=300)
+    unwatched = nbdist.run(_wait_at, gate, np=1, backend="spark", gpu=False, timeout=60)
     try:
-        wait_for(lambda: all(r.lines >= 1 for r in job.state.ranks), 180, "both ranks running")
+        wait_for(lambda: all(r.lines >= 1 for job in (watched, unwatched)
+                             for r in job.state.ranks), 240, "every rank running")
         os.killpg(doomed.proc.pid, signal.SIGKILL)
         doomed.proc.wait(30)
         killed = time.monotonic()
-        assert job.wait(60), "the job did not end after its Connect server was killed"
+        assert watched.wait(60), "the job did not end after its Connect server was killed"
         assert time.monotonic() - killed < 60
         with pytest.raises(DistributedError, match=f"Spark Connect server at 127.0.0.1:"
                                                    f"{doomed.port} is gone"):
-            job.result(0)
+            watched.result(0)
+        grace = spark_backend.CANCEL_GRACE_S + spark_backend.GIVE_UP_S
+        assert unwatched.wait(60 + grace + 60), "the job outlived its timeout and grace"
+        with pytest.raises(DistributedError, match="timed out after 60 s"):
+            unwatched.result(0)
     finally:
         gate.open()
     started = time.monotonic()
@@ -95,22 +105,3 @@ def test_a_killed_connect_server_ends_the_job_and_names_it(
         nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=60).result(60)
     assert time.monotonic() - started < 30
     assert nbdist.run(_wait_at, gate, np=1, backend="local", gpu=False).result(60) == 1
-
-
-def test_a_cancel_the_backend_never_answers_is_given_up_within_the_grace(
-        doomed: ConnectServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the server watch off (a server behind a proxy looks alive), a job whose server was
-    killed still ends at its timeout plus the stated grace, naming the timeout."""
-    monkeypatch.setattr(spark_backend.SparkLauncher, "_watch_server", lambda self, req: None)
-    gate = Gate(tmp_path / "gate")
-    job = nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=30)
-    try:
-        wait_for(lambda: all(r.lines >= 1 for r in job.state.ranks), 180, "both ranks running")
-        os.killpg(doomed.proc.pid, signal.SIGKILL)
-        doomed.proc.wait(30)
-        grace = spark_backend.CANCEL_GRACE_S + spark_backend.GIVE_UP_S
-        assert job.wait(30 + grace + 60), "the job outlived its timeout and grace"
-        with pytest.raises(DistributedError, match="timed out after 30 s"):
-            job.result(0)
-    finally:
-        gate.open()
