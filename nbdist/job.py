@@ -650,8 +650,16 @@ class Job(Handle):
                 print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
             try:
                 line = input(f"[rank {rank}] {PDB_PROMPT}")
-            except EOFError:  # no input box: let the rank go on
+            except (EOFError, NotImplementedError) as exc:
+                # No input box: an end of input (a terminal's ^D, a closed stdin), or a
+                # frontend without stdin (nbclient, papermill: ipykernel's input() raises
+                # StdinNotImplementedError, a NotImplementedError). Raised from here it would
+                # leave the rank in pdb and the job (or the session's cell) running until its
+                # timeout; the documented answer is ``c``, said where the cell's output goes.
                 line = "c"
+                print(f"[rank {rank}] no input box to ask "
+                      f"({'no stdin' if isinstance(exc, NotImplementedError) else 'end of input'}"
+                      f"): answered c (continue)", flush=True)
             if not self._done.is_set():
                 self.send(rank, {"t": "debug", "text": line})
 
