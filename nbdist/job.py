@@ -42,6 +42,7 @@ from nbdist.protocol import (
     RankOutcome,
     RankStatus,
 )
+from nbdist import collectives
 from nbdist.stacks import Stacks, rank_ranges
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
@@ -68,6 +69,9 @@ STACKS_TAIL_LINES = 5
 PDB_PROMPT = "(Pdb) "
 #: How long a timeout or a cancel waits for the ranks' stacks before it stops them.
 FORENSICS_S = 2.5
+#: How long a rank's failure waits for the other ranks' stacks and flight recorders before
+#: nbdist stops them (they are often failing on their own by then).
+FAILURE_FORENSICS_S = 1.0
 #: Kinds of event that only feed the job's state (output also its log files): a write made of
 #: these is folded at once (``Job.on_events``).
 _FOLDED = frozenset({"out", "progress", "metrics", "res", "hb"})
@@ -81,6 +85,9 @@ class Forensics:
 
     #: Take them once when a running rank printed nothing for this many seconds (None: never).
     stacks_when_quiet: float | None = None
+    #: Entries of torch's flight recorder in every rank (``TORCH_FR_BUFFER_SIZE``; 0: off;
+    #: ``--env TORCH_FR_BUFFER_SIZE=N`` wins for one job).
+    flight_recorder: int = collectives.DEFAULT_ENTRIES
 
 
 #: Set by the magics' traits; read at every job's start.
@@ -335,7 +342,8 @@ class Job(Handle):
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
-        self._env = {**tracking.run_env(), **dict(options.env)}
+        self._env = {**collectives.recorder_env(forensics.flight_recorder),
+                     **tracking.run_env(), **dict(options.env)}
         # Variables given at the rendezvous only (an attempt of a job that restarts: its
         # restart count): they must not key the local backend's warm ranks. Ranks that plan
         # their world without the driver (the supervisor's fallback) get them with the launch
@@ -357,6 +365,7 @@ class Job(Handle):
         self._stacks_asked = 0
         self._stacks: dict[int, dict[int, channel.Event]] = {}  # request → rank → answer
         self._forensics: str | None = None  # the stacks taken before nbdist stopped it
+        self._collectives = ""  # where its ranks stood in their collectives, then
         #: Ranks' debuggers waiting for a line typed in the notebook: (rank, what they wrote).
         self._questions: queue.Queue[tuple[int, str]] = queue.Queue()
         self._started = time.monotonic()
@@ -580,6 +589,8 @@ class Job(Handle):
                 self._first_failure = outcome.rank
             complete = len(self._outcomes) == self.np
         if first and not complete:
+            if self._owner is None:
+                self._take_forensics(FAILURE_FORENSICS_S)
             self._cancel(f"rank {outcome.rank} failed")
         if complete:
             with self._lock:
@@ -625,9 +636,9 @@ class Job(Handle):
                     f"(%config DistMagics.stacks_when_quiet):\n" + taken.text())
             return
 
-    def _take_forensics(self) -> None:
-        """Before stopping a running job: where each rank is, for the error and the views
-        (bounded by ``FORENSICS_S``)."""
+    def _take_forensics(self, seconds: float = FORENSICS_S) -> None:
+        """Before stopping a running job: where each rank is, and where they stand in their
+        collectives, for the error and the views (bounded by ``seconds``)."""
         with self._lock:
             if self._cancel_reason is not None or self._forensics is not None:
                 return
@@ -635,10 +646,11 @@ class Job(Handle):
         if not running:
             return
         try:
-            taken = self.stacks(FORENSICS_S)
+            taken = self.stacks(seconds)
         except Exception:  # forensics never stand in the way of the cancel
             return
-        if taken.groups:
+        self._collectives = taken.collectives.text()
+        if taken.groups or taken.collectives:
             self._forensics = taken.text()
             self.state.set_forensics(self._forensics)
 
@@ -672,7 +684,8 @@ class Job(Handle):
         elif any(o.status == RankStatus.CANCELLED for o in outcomes):
             error = DistributedError(
                 f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
-                f"were stopped", job_id=self.id, reason=Reason.CANCELLED,
+                f"were stopped" + (f"\n{self._collectives}" if self._collectives else ""),
+                job_id=self.id, reason=Reason.CANCELLED,
                 stacks=self._forensics or "",
             )
         if error is None:
@@ -745,6 +758,8 @@ class Job(Handle):
         stopped = [o.rank for o in self._outcomes.values() if o.status == RankStatus.CANCELLED]
         if stopped:
             msg += f"; nbdist stopped ranks {', '.join(map(str, sorted(stopped)))}"
+        if self._collectives:
+            msg += f"\n{self._collectives}"
         return DistributedError(
             msg, job_id=self.id, reason=Reason.FAILED,
             failures={o.rank: o.describe() for o in ordered},
@@ -783,7 +798,8 @@ class Job(Handle):
             ) if tail else "still running; it printed nothing\n"
         return DistributedError(
             f"job {self.id} timed out after {self.timeout:g} s (--timeout); ranks still "
-            f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped",
+            f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped"
+            + (f"\n{self._collectives}" if self._collectives else ""),
             job_id=self.id, reason=Reason.TIMEOUT, failures=failures,
             stacks=self._forensics or "",
         )
@@ -830,6 +846,7 @@ class Job(Handle):
         dumps: dict[int, str] = {}
         native: dict[int, str] = {}
         missing: dict[int, str] = {}
+        fr = {r: a["fr"] for r, a in got.items() if isinstance(a.get("fr"), str) and a["fr"]}
         for rank in live:
             answer = got.get(rank)
             text = answer.get("text") if answer is not None else None
@@ -850,8 +867,12 @@ class Job(Handle):
                 tail = [ln.text for ln in list(r.log)[-STACKS_TAIL_LINES:]]
             missing[rank] = why + ("; its last lines:\n" + "\n".join(tail) if tail else
                                    "; it printed nothing")
-        return Stacks.from_dumps(job_id or self.state.id, dumps, missing,
-                                 time.monotonic() - started, native)
+        taken = Stacks.from_dumps(job_id or self.state.id, dumps, missing,
+                                  time.monotonic() - started, native, fr, live)
+        if fr and taken.collectives:
+            # The raw dumps beside the logs, for torch's own analyser (its pickle format).
+            taken.saved = logfiles.write_flight_records(self._logs.folder, fr)
+        return taken
 
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled.

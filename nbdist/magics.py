@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, logfiles, slices, waiting
+from nbdist import _logcarry, check, elastic, events, launch, logfiles, slices, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -322,6 +322,25 @@ class DistMagics(Magics):
                              f"not {value:g}")
         return value  # type: ignore[no-any-return]
 
+    flight_recorder = Int(
+        jobs.forensics.flight_recorder, config=True,
+        help="Entries of torch's flight recorder in every rank (TORCH_FR_BUFFER_SIZE): the "
+        "collectives %dist_stacks and a hung job's error line up by rank. 0 turns it off; "
+        "--env TORCH_FR_BUFFER_SIZE=N wins for one job. "
+        f"Default: {jobs.forensics.flight_recorder}.",
+    )
+
+    @observe("flight_recorder")
+    def _recorder_setting(self, change: Any) -> None:
+        jobs.forensics.flight_recorder = change["new"]
+
+    @validate("flight_recorder")
+    def _valid_recorder(self, proposal: Any) -> int:
+        value = proposal["value"]
+        if value < 0:
+            raise TraitError(f"flight_recorder takes a number of entries (0: off), not {value}")
+        return value  # type: ignore[no-any-return]
+
     checkpoint_root = Unicode(
         "", config=True,
         help="Where a job that restarts keeps its checkpoint directory "
@@ -573,6 +592,31 @@ class DistMagics(Magics):
             raise UsageError(f"--timeout takes a positive number of seconds, not "
                              f"{args.timeout:g}")
         display(job.stacks(args.timeout))
+
+    @magic_arguments()
+    @argument("-np", dest="np", type=int, required=True, metavar="N",
+              help="ranks to check (negative: local ranks even when Spark is active)")
+    @argument("--backend", choices=("auto", "local", "spark"), default="auto",
+              help="the backend to check (default: as %%distributed chooses)")
+    @argument("--gpu", action="store_true",
+              help="one GPU per rank, the sweep over NCCL up to 256 MB")
+    @argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+              help="fail the check after this long (default 120)")
+    @line_magic
+    def dist_check(self, line: str) -> None:
+        """Check N ranks before a long run, in seconds: host, Python, torch, CUDA/NCCL and
+        nbdist versions (a mismatch named), the GPUs each rank sees, free space in the log
+        folder, its clock against the notebook's, and an all-reduce sweep (bus bandwidth as
+        nccl-tests computes it). What is wrong (a rank that failed, one far slower than the
+        others, a version that differs) is said at the end.
+        """
+        args = parse_argstring(self.dist_check, line)
+        if args.np == 0:
+            raise UsageError("-np takes a number of ranks other than 0")
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout takes a positive number of seconds, not "
+                             f"{args.timeout:g}")
+        print(check.run_check(args.np, args.backend, args.gpu, args.timeout).text())
 
     @magic_arguments()
     @argument("--rank", type=int, default=None,

@@ -768,6 +768,11 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.DEBUG:
                 debugger.inbox.put(frame[1].decode("utf-8", "replace"))
                 continue
+            if frame[0] == Frame.COLLECTIVES:
+                # Off this thread: torch's dump takes the GIL, which a busy cell holds.
+                threading.Thread(target=_send_collectives, args=(chan,), daemon=True,
+                                 name="nbdist-fr").start()
+                continue
             inbox.put(frame)
         inbox.put(None)
         debugger.inbox.put(None)
@@ -803,6 +808,16 @@ def main(guard: bool = True) -> None:
         _flush_all()
         _kill_descendants()
         os._exit(code)
+
+
+def _send_collectives(chan: FrameWriter) -> None:
+    """Answer ``Frame.COLLECTIVES``: the flight recorder's dump (empty without one)."""
+    from nbdist.rank import flight
+
+    try:
+        chan.send(Frame.COLLECTIVES, flight.dump())
+    except (OSError, ValueError):
+        pass  # the supervisor is gone
 
 
 #: Where the rank's stack dumps go (kept open for its life; ``faulthandler`` keeps the fd).
