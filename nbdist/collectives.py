@@ -250,7 +250,8 @@ def _wavefront(seqs: Mapping[int, Mapping[int, Call]], every: Sequence[int],
         text += f"; {_ranks(absent)} never entered it"
         lasts = [f"{'its' if len(absent) == 1 else f'rank {r}'} last: "
                  + (f"{seqs[r][last[r]].label()}, {seqs[r][last[r]].state or 'recorded'}"
-                    if r in last else "no collective")
+                    if r in last else "no collective" if r in seqs
+                    else "no record: it ended, or its recorder is off")
                  for r in absent]
         text += " (" + "; ".join(lasts) + ")"
         places = [f"rank {r} is in {where[r]}" for r in absent if where.get(r)]

@@ -21,7 +21,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from nbdist import _pickling, blame, channel, events, launch, logfiles, state, timeline, tracking
+from nbdist import (
+    _pickling,
+    blame,
+    channel,
+    collectives,
+    events,
+    launch,
+    logfiles,
+    state,
+    timeline,
+    tracking,
+)
 from nbdist._timer import after
 from nbdist.capture import call_code
 from nbdist.errors import (
@@ -42,7 +53,6 @@ from nbdist.protocol import (
     RankOutcome,
     RankStatus,
 )
-from nbdist import collectives
 from nbdist.stacks import Stacks, rank_ranges
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world

@@ -12,6 +12,7 @@ I/O: ``Job.stacks`` gathers, this groups and renders.
 from __future__ import annotations
 
 import html
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ def _where(g: StackGroup) -> str:
         return ""
     inner = list(reversed(cell.frames))
     at = next((f for f in inner if f.in_cell), inner[0])
-    return at.where()
+    return at.where() if at.in_cell else f"{os.path.basename(at.file)}:{at.line}"
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:

@@ -24,7 +24,8 @@ def dump() -> bytes:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        data: bytes = c10d._dump_fr_trace_json()
+        # torch ≥ 2.8 (a private function, present on CPU and CUDA builds alike)
+        data: bytes = c10d._dump_fr_trace_json()  # type: ignore[attr-defined]
     except Exception:  # an older torch without it, or a recorder that failed: no answer
         return b""
     if len(data) <= MAX_BYTES:

@@ -7,8 +7,8 @@ in the job's log folder, the clock, and an all-reduce sweep over the job's proce
 (bus bandwidth as nccl-tests computes it: ``2 (n-1)/n × bytes / time``). It returns plain
 values; the kernel lines the ranks up.
 
-``NBDIST_CHECK_DELAY`` (seconds, a test hook, documented in docs/collectives.md) makes a rank
-sleep that long before each timed all-reduce: a slow rank made on purpose.
+``NBDIST_CHECK_DELAY=RANK:SECONDS`` (a test hook, documented in docs/collectives.md) makes rank
+RANK sleep that long before each timed all-reduce: a slow rank made on purpose.
 """
 
 from __future__ import annotations
@@ -27,8 +27,17 @@ MAX_BYTES = 256 << 20
 CPU_MAX_BYTES = 4 << 20
 #: Timed repetitions per size (after one warm-up), fewer for the large ones.
 REPEATS = 5
-#: The test hook's variable: this rank sleeps that many seconds before each timed all-reduce.
+#: The test hook's variable, ``RANK:SECONDS``: that rank sleeps that long before each timed
+#: all-reduce.
 DELAY_ENV = "NBDIST_CHECK_DELAY"
+
+
+def _delay() -> float:
+    rank, _, seconds = os.environ.get(DELAY_ENV, "").partition(":")
+    try:
+        return float(seconds) if int(rank) == int(os.environ.get("RANK", "-1")) else 0.0
+    except ValueError:
+        return 0.0
 
 
 def sizes(gpu: bool, largest: int | None = None) -> list[int]:
@@ -63,7 +72,8 @@ def _versions() -> dict[str, str]:
         out["cuda"] = str(torch.version.cuda or "")
         if torch.cuda.is_available():
             try:
-                out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+                nccl = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+                out["nccl"] = ".".join(map(str, nccl))
             except Exception:  # a build without NCCL
                 out["nccl"] = ""
     except ImportError:
@@ -110,7 +120,7 @@ def _sweep(gpu: bool, largest: int | None) -> list[tuple[int, float]]:
     import torch
     import torch.distributed as dist
 
-    delay = float(os.environ.get(DELAY_ENV) or 0)
+    delay = _delay()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     out = []
     for nbytes in sizes(gpu, largest):
