@@ -600,7 +600,7 @@ class Job(Handle):
             complete = len(self._outcomes) == self.np
         if first and not complete:
             if self._owner is None:
-                self._take_forensics(FAILURE_FORENSICS_S)
+                self._take_forensics(FAILURE_FORENSICS_S, collectives_only=True)
             self._cancel(f"rank {outcome.rank} failed")
         if complete:
             with self._lock:
@@ -646,9 +646,11 @@ class Job(Handle):
                     f"(%config DistMagics.stacks_when_quiet):\n" + taken.text())
             return
 
-    def _take_forensics(self, seconds: float = FORENSICS_S) -> None:
+    def _take_forensics(self, seconds: float = FORENSICS_S, collectives_only: bool = False
+                        ) -> None:
         """Before stopping a running job: where each rank is, and where they stand in their
-        collectives, for the error and the views (bounded by ``seconds``)."""
+        collectives, for the error and the views (bounded by ``seconds``); kept only where
+        the ranks ran collectives when ``collectives_only`` (a rank's failure)."""
         with self._lock:
             if self._cancel_reason is not None or self._forensics is not None:
                 return
@@ -660,7 +662,7 @@ class Job(Handle):
         except Exception:  # forensics never stand in the way of the cancel
             return
         self._collectives = taken.collectives.text()
-        if taken.groups or taken.collectives:
+        if taken.collectives or (taken.groups and not collectives_only):
             self._forensics = taken.text()
             self.state.set_forensics(self._forensics)
 

@@ -67,7 +67,9 @@ class RankLogs:
                     return
                 self._fds[rank] = fd
             try:
-                os.write(fd, data)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
             except OSError as exc:  # a full disk: the job goes on, its logs stop
                 self.error = f"writing rank {rank}'s log in {self.folder} failed: {exc}"
 
@@ -95,8 +97,9 @@ def write_flight_records(folder: str, dumps: Mapping[int, str]) -> str:
     try:
         os.makedirs(where, mode=0o700, exist_ok=True)
         st = os.lstat(where)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            return f"the flight recorder dumps were not written: {where} is not our folder"
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return (f"the flight recorder dumps were not written: {where} is not a folder "
+                    f"of ours that only we can write")
         for rank, text in sorted(dumps.items()):
             try:
                 data = pickle.dumps(json.loads(text), protocol=4)
@@ -108,7 +111,9 @@ def write_flight_records(folder: str, dumps: Mapping[int, str]) -> str:
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     return f"the flight recorder dumps were not written: {path} is not a file"
-                os.write(fd, data)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
     except OSError as exc:
