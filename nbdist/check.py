@@ -67,6 +67,9 @@ class CheckReport:
     sweep: list[tuple[int, float, float]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: The job's log folder (written by the notebook's kernel) and its free space in GB.
+    log_dir: str = ""
+    log_free_gb: float | None = None
 
     HEADER = ("rank", "host", "python", "torch", "cuda/nccl", "nbdist", "gpus", "free",
               "clock", "late by")
@@ -81,6 +84,9 @@ class CheckReport:
         out = [f"%dist_check of {self.np} ranks ({self.seconds:.1f} s)"]
         out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                 for r in table]
+        if self.log_dir:
+            free = f"{self.log_free_gb:g} GB free" if self.log_free_gb is not None else "?"
+            out.append(f"log folder: {self.log_dir} ({free})")
         if self.sweep:
             out.append("all-reduce (bus bandwidth as nccl-tests computes it):")
             out += [f"  {_human_size(n):>7}  {t * 1e3:9.3f} ms  {_human_rate(bw)}"
@@ -131,8 +137,8 @@ def judge(reports: Mapping[int, Mapping[str, Any]], np: int,
         if rep.get("error"):
             problems.append(f"rank {rank} on {rep.get('host')}: {rep['error']}")
         if isinstance(free, (int, float)) and free < LOW_DISK_GB:
-            problems.append(f"rank {rank} on {rep.get('host')}: only {free:g} GB free in the "
-                            f"log folder")
+            problems.append(f"rank {rank} on {rep.get('host')}: only {free:g} GB free in its "
+                            f"working directory")
         if offset is not None and abs(offset) > CLOCK_S:
             problems.append(f"rank {rank} on {rep.get('host')}: its clock is {offset:+.1f} s "
                             f"off the notebook's")
@@ -247,5 +253,25 @@ def run_check(np: int, backend: str = "auto", gpu: bool = False, timeout: float 
         marks = job.state.ranks[r].marks
         if "delivered" in marks:
             delivered[r] = marks["delivered"]
-    return judge(reports, job.np, notebook_versions(), delivered, failed,
-                 time.perf_counter() - started)
+    got = judge(reports, job.np, notebook_versions(), delivered, failed,
+                time.perf_counter() - started)
+    got.log_dir = job.state.log_dir or ""
+    got.log_free_gb = _free_gb(got.log_dir)
+    if got.log_free_gb is not None and got.log_free_gb < LOW_DISK_GB:
+        got.problems.append(f"the log folder {got.log_dir} has only {got.log_free_gb:g} GB "
+                            f"free")
+    return got
+
+
+def _free_gb(folder: str) -> float | None:
+    """Free space where ``folder`` is (or would be: its nearest existing parent)."""
+    import os
+    import shutil
+
+    probe = folder
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        return round(shutil.disk_usage(probe or "/").free / 2**30, 1)
+    except OSError:
+        return None

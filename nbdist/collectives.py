@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,10 +141,27 @@ class Collectives:
         return bool(self.lines)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    # stacks.rank_ranges' wording, without importing the driver's module here.
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0–2, 4–7``."""
     ordered = sorted(set(ranks))
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+    spans: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        first, last = ordered[i], ordered[j]
+        if last == first:
+            spans.append(str(first))
+        elif last == first + 1:
+            spans.extend((str(first), str(last)))
+        else:
+            spans.append(f"{first}–{last}")
+        i = j + 1
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+
+
+_ranks = rank_ranges
 
 
 def _clock(ns: int) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nbdist.collectives import Collectives, analyse
+from nbdist.collectives import rank_ranges as rank_ranges  # shown with the stacks
 
 #: ``  File "path", line 12 in func``
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
@@ -128,26 +129,6 @@ def _where(g: StackGroup) -> str:
     inner = list(reversed(cell.frames))
     at = next((f for f in inner if f.in_cell), inner[0])
     return at.where() if at.in_cell else f"{os.path.basename(at.file)}:{at.line}"
-
-
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``rank 3``, ``ranks 0–2, 4–7``."""
-    ordered = sorted(set(ranks))
-    spans: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        first, last = ordered[i], ordered[j]
-        if last == first:
-            spans.append(str(first))
-        elif last == first + 1:
-            spans.extend((str(first), str(last)))
-        else:
-            spans.append(f"{first}–{last}")
-        i = j + 1
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
 
 
 @dataclass

@@ -130,6 +130,7 @@ def test_dist_check_names_the_slow_rank(np: int) -> None:
     assert got.problems and got.problems[-1].startswith(f"rank {slow} on "), got.text()
     assert "is the slowest" in got.problems[-1]
     assert got.text().splitlines()[-1].startswith(f"  rank {slow} on ")
+    assert f"log folder: {got.log_dir} (" in got.text() and got.log_free_gb is not None
 
 
 @pytest.mark.slow
