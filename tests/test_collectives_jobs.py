@@ -147,3 +147,18 @@ def test_dist_check_magic_prints_the_table(ip: Any, capsys: pytest.CaptureFixtur
     assert "    1 KB" in out
     with pytest.raises(UsageError, match="-np takes"):
         ip.run_line_magic("dist_check", "-np 0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_many_stacks_requests_never_crash_a_rank() -> None:
+    """Forty stacks requests (each with its flight recorder request) to 4 idle ranks leave
+    every rank running: the thread that answers for the recorder is never starting or ending
+    while faulthandler walks the threads (before the fix, a rank died of SIGSEGV within ~25)."""
+    job = nbdist.run(_no_collective, np=4, backend="local")
+    try:
+        for _ in range(40):
+            taken = job.stacks()
+            assert not taken.missing and not job.done(), (taken.text(), job.state.status)
+    finally:
+        job.cancel()

@@ -82,8 +82,8 @@ STACKS_QUIET_S = 0.05
 #: How long py-spy may take to read a rank's native frames (``native_stacks``): within the
 #: driver's wait for the answers (``job.STACKS_WAIT_S``) after the dump (``STACKS_S``).
 NATIVE_STACKS_S = 1.0
-#: How long a rank's flight recorder dump is waited for, after its stacks (the dump itself
-#: takes under a millisecond once the rank's thread has the GIL).
+#: How long a rank's flight recorder dump is waited for, before its stacks are taken (the
+#: dump itself takes under a millisecond once the rank's thread has the GIL).
 FR_S = 0.5
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
@@ -748,18 +748,18 @@ class Supervisor:
                    and event.get("state") == "running")
 
     def _answer_stacks(self, req: Any) -> None:
+        # The flight recorder first, its answer awaited: the rank's thread that answers must
+        # not be starting while faulthandler walks the threads (``runtime._ask_collectives``).
         with self._stacks_lock:  # one flight recorder request at a time too
-            asked = self._ask_collectives()
+            fr = self._collectives(FR_S) if self._ask_collectives() else ""
         text, error = self.stacks()
         answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0}
         if text:
             answer["text"] = text
         if error:
             answer["error"] = error
-        if asked:
-            fr = self._collectives(FR_S)
-            if fr:
-                answer["fr"] = fr
+        if fr:
+            answer["fr"] = fr
         pid = self._rank_pid
         if text and pid is not None:
             native = native_stacks(pid)
