@@ -14,6 +14,8 @@ from nbdist import check, logfiles
 from nbdist.errors import DistributedError
 from nbdist.views import status
 
+from .helpers import wait_for
+
 
 def _collective_job(mode: str) -> None:
     """Two all-reduces on every rank, then rank 1 goes its own way (``mode``)."""
@@ -157,6 +159,8 @@ def test_many_stacks_requests_never_crash_a_rank() -> None:
     while faulthandler walks the threads (before the fix, a rank died of SIGSEGV within ~25)."""
     job = nbdist.run(_no_collective, np=4, backend="local")
     try:
+        wait_for(lambda: all(r.status == "running" for r in job.state.ranks), 120,
+                 "every rank running")
         for _ in range(40):
             taken = job.stacks()
             assert not taken.missing and not job.done(), (taken.text(), job.state.status)
