@@ -32,12 +32,13 @@ def notebook_versions() -> dict[str, str]:
     import platform
     from importlib import metadata
 
-    out = {"python": platform.python_version()}
-    for name in ("torch", "nbdist"):
-        try:
-            out[name] = metadata.version(name).split("+")[0]
-        except metadata.PackageNotFoundError:
-            out[name] = ""
+    from nbdist._version import __version__
+
+    out = {"python": platform.python_version(), "nbdist": __version__}
+    try:
+        out["torch"] = metadata.version("torch").split("+")[0]
+    except metadata.PackageNotFoundError:
+        out["torch"] = ""
     return out
 
 

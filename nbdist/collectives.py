@@ -1,10 +1,10 @@
 """Which collective, which rank: every rank's flight recorder lined up by sequence number.
 
 torch's flight recorder (``TORCH_FR_BUFFER_SIZE`` entries, on by default in every rank:
-``rank/flight.py``) keeps each collective a process group ran: its sequence number, op,
-sizes, dtypes and state. A rank's supervisor has the rank dump it beside its stacks
-(``%dist_stacks``, a timeout's or cancel's forensics); this module reads the ranks' JSON
-dumps and says in one line where the job stands::
+``settings.flight_recorder``; dumped by ``rank/flight.py``) keeps each collective a process
+group ran: its sequence number, op, sizes, dtypes and state. A rank's supervisor has the rank
+dump it beside its stacks (``%dist_stacks``, a timeout's or cancel's forensics); this module
+reads the ranks' JSON dumps and says in one line where the job stands::
 
     collectives: ranks 0, 2 wait in all_reduce #3 (1000 float32, gloo) since 12:03:05;
                  rank 1 never entered it (its last: all_reduce #2, completed) — rank 1 is in
@@ -24,10 +24,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: What ``TORCH_FR_BUFFER_SIZE`` is set to in every rank unless the user's ``--env`` or
-#: ``%config DistMagics.flight_recorder`` says otherwise: entries kept per rank (a few hundred
-#: collectives, a few hundred KB at most).
-DEFAULT_ENTRIES = 256
 #: The variable torch reads (``0`` turns the recorder off).
 ENV = "TORCH_FR_BUFFER_SIZE"
 #: The largest dump a rank sends (bytes of JSON); a larger one is cut to its newest entries.

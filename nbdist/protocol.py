@@ -33,8 +33,8 @@ The boundaries, and what crosses each (all defined below):
   through ``collect()``, as its plain fields).
 
 Two sockets stay inside one module each, both of their ends in it, and are typed there: the
-local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
-``ExitMsg``) and the Spark executor zygote's (``launch/executor_zygote.py``: ``ChallengeMsg``,
+local zygote's (``rank/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
+``ExitMsg``) and the Spark executor zygote's (``rank/executor_zygote.py``: ``ChallengeMsg``,
 ``HelloMsg``, ``ExecutorReadyMsg``, ``ExecutorForkMsg`` and the ``ExecutorConfig`` on its stdin).
 """
 

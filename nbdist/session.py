@@ -35,14 +35,8 @@ from nbdist import _pickling, channel, state, values
 from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
-from nbdist.job import (
-    STACKS_WAIT_S,
-    Handle,
-    Job,
-    register,
-    retain,
-    unreachable_hint,
-)
+from nbdist.handle import STACKS_WAIT_S, Handle, register
+from nbdist.job import Job, unreachable_hint
 from nbdist.launch import Launcher, backends
 from nbdist.options import JobOptions
 from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
@@ -198,10 +192,12 @@ class Session:
         # Set by every rank's "ready", and by the session's end: stop() ends the wait too.
         if not wait_loop(self._ready_event, timeout, None, cancel=self.stop,
                          teardown_s=2 * STOP_S):
+            late = sorted(set(range(self.np)) - self._ready)
             self.stop()
             raise SessionError(
                 f"session {self.id}: only {len(self._ready)} of {self.np} ranks were "
-                f"ready after {timeout:g} s; it was stopped"
+                f"ready after {timeout:g} s; not ready: {_ranks_on(self.state, late)}. It was "
+                f"stopped; %dist_status {self.id} shows their last lines and how they ended"
             )
         if self.done():
             why = self.broken or self.job.cancel_reason or "its ranks ended before they were ready"
@@ -498,7 +494,7 @@ class SessionCell(Handle):
 
     def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
         with self._lock:
-            if self._done.is_set() or rank in self._values or rank in self._errors:
+            if self.settled or rank in self._values or rank in self._errors:
                 return
             if error is None:
                 self._values[rank] = value
@@ -540,37 +536,35 @@ class SessionCell(Handle):
             self.end(None)
 
     def end(self, error: BaseException | None) -> None:
-        """The cell is over, with ``error`` or rank values; idempotent."""
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error = error
-            self._done.set()
-        for timer in (self._timer, self._grace):
-            if timer is not None:
-                timer.cancel()
+        """The cell is over, with ``error`` or rank values; idempotent. Its state is closed
+        (and the session free for the next cell) before it reads as done."""
         if error is None:
             final = state.DONE
         else:
             final = state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else (
                 state.FAILED)
-        for r in range(self.np):
-            if r not in self._values and r not in self._errors:
-                self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
-        with self._lock:
-            self._incoming.clear()  # values still arriving are of no use now
-            if error is not None:  # result() raises: the values of the other ranks go too
-                self._values, self._size = {}, 0
-        self.state.finish(final, "" if error is None else str(error))
-        self.session._cell_over(self)
-        if self._size:
-            retain(self)
+
+        def close() -> None:
+            for timer in (self._timer, self._grace):
+                if timer is not None:
+                    timer.cancel()
+            for r in range(self.np):
+                if r not in self._values and r not in self._errors:
+                    self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
+            with self._lock:
+                self._incoming.clear()  # values still arriving are of no use now
+                if error is not None:  # result() raises: the values of the other ranks go too
+                    self._values, self._size = {}, 0
+            self.state.finish(final, "" if error is None else str(error))
+            self.session._cell_over(self)
+
+        self._settle(error, close)
 
     # -- the Handle interface -------------------------------------------------------------------
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""
-        if self._done.is_set():
+        if self.settled:
             return
         with self._lock:
             again = self._interrupted is not None
@@ -584,7 +578,7 @@ class SessionCell(Handle):
         self._grace = after(INTERRUPT_GRACE_S, self._stuck, reason)
 
     def _stuck(self, reason: str) -> None:
-        if self._done.is_set():
+        if self.settled:
             return
         with self._lock:
             running = [r for r in range(self.np) if r not in self._values and
@@ -623,3 +617,13 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def _ranks_on(ranks: state.JobState, which: list[int]) -> str:
+    """``rank 3 (host a)``, ``ranks 1, 2 (not connected)``: the ranks, with where each is."""
+    def where(rank: int) -> str:
+        host = ranks.ranks[rank].host if rank < len(ranks.ranks) else ""
+        return f"on {host}" if host else "not connected"
+
+    noun = "rank" if len(which) == 1 else "ranks"
+    return f"{noun} " + ", ".join(f"{r} ({where(r)})" for r in which)

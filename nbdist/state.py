@@ -134,7 +134,7 @@ class JobState:
         #: Where its ranks were when nbdist stopped the job (a timeout, a cancel): their
         #: stacks, grouped (``nbdist.stacks``); "" when none were taken.
         self.forensics = ""
-        self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
+        self.values_dropped = False  # its values were let go to bound memory (settings.history_mb)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
         self.series = MetricSeries(np, self.created)  # every rank's metrics, for the charts

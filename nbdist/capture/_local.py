@@ -26,6 +26,7 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from nbdist.importscan import source_imports
 from nbdist.protocol import ShippedCode
 
 #: Never shipped, whatever the path says: nbdist must be the ranks' own (a development
@@ -55,15 +56,6 @@ def code_names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= code_names(const)
     return names
-
-
-def source_imports(tree: ast.AST) -> Iterator[str]:
-    """Modules a syntax tree imports by absolute name."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module
 
 
 def objects_modules(objs: Iterable[Any]) -> set[str]:
@@ -140,7 +132,7 @@ def _local_roots() -> set[str]:
 
 @functools.lru_cache(maxsize=8)
 def _roots_for(path: tuple[str, ...], cwd: str) -> frozenset[str]:
-    from nbdist.rank.runtime import installation_dirs, is_installed
+    from nbdist.rank.host import installation_dirs, is_installed
 
     dirs = installation_dirs()
     skip = _pth_dirs()

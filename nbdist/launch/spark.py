@@ -41,6 +41,7 @@ from types import FrameType
 from typing import Any
 
 from nbdist import channel, events, launch
+from nbdist._version import __version__
 from nbdist.errors import CapacityError
 from nbdist.launch import Capacity, gpus_text
 from nbdist.protocol import DriverEvent, LaunchRequest, RankOutcome, RankStatus
@@ -476,11 +477,9 @@ class SparkLauncher:
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
         from pyspark import InheritableThread
 
-        import nbdist
-
         group = f"nbdist-{request.job_id}-{secrets.token_hex(4)}"
         self._per_task = self.ranks_per_task(request.gpu)
-        task = _barrier_task(request, nbdist.__version__, self._warmth(), self._per_task)
+        task = _barrier_task(request, __version__, self._warmth(), self._per_task)
         guard_stop_button()
         with self._lock:
             self._group = group

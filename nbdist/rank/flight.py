@@ -1,7 +1,7 @@
 """The rank's flight recorder dump: torch's record of the collectives this rank ran.
 
 torch keeps it when ``TORCH_FR_BUFFER_SIZE`` is above 0 (nbdist sets it in every rank:
-``collectives.DEFAULT_ENTRIES``); the rank's runtime answers its supervisor's
+``settings.flight_recorder``); the rank's runtime answers its supervisor's
 ``Frame.COLLECTIVES`` with :func:`dump` from a thread of its own, so a rank whose main thread
 waits in a collective (which releases the GIL) still answers. The driver reads the dumps
 (``nbdist.collectives``).

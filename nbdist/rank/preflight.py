@@ -58,13 +58,9 @@ def bus_bandwidth(nbytes: int, seconds: float, world: int) -> float:
 
 
 def _versions() -> dict[str, str]:
-    from importlib import metadata
+    from nbdist._version import __version__
 
-    try:
-        nbdist_version = metadata.version("nbdist")
-    except metadata.PackageNotFoundError:
-        nbdist_version = ""
-    out = {"python": platform.python_version(), "nbdist": nbdist_version}
+    out = {"python": platform.python_version(), "nbdist": __version__}
     try:
         import torch
 

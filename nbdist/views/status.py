@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from nbdist.protocol import size_text
 from nbdist.state import (
@@ -31,8 +31,21 @@ from nbdist.state import (
 )
 
 if TYPE_CHECKING:
-    from nbdist.launch import Capacity
     from nbdist.protocol import ProgressEvent
+
+
+
+class Capacity(Protocol):
+    """What ``%dist_status`` shows of a backend's capacity (``launch.Capacity`` is one): the
+    views read it by shape, never import the launchers."""
+
+    @property
+    def slots(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def detail(self) -> str: ...
+
 
 STATE_COLORS = {
     PENDING: "#9e9e9e", STARTING: "#5c6bc0", RUNNING: "#1e88e5",

@@ -236,7 +236,8 @@ def test_one_hundred_jobs_leak_nothing(ip: Any) -> None:
     assert after["listening"] <= before["listening"]
     assert after["children"] == 0
     assert after["rss_mb"] - before["rss_mb"] < 50
-    # The kernel keeps its last HISTORY jobs (%dist_status); every older one, with its state,
+    # The kernel keeps its last settings.history jobs (%dist_status); every older one, with its
+    # state,
     # logs and values, must be freed: a reference left anywhere (the event server, a thread, a
     # view) would grow the kernel with each job, too slowly for rss to show in 100 small ones.
     leaked = sorted(live_jobs() - earlier - {j.id for j in jobs.jobs()})

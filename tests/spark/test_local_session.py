@@ -18,7 +18,7 @@ from pyspark.sql import SparkSession
 import nbdist
 from nbdist import job as jobs
 from nbdist import state
-from nbdist.launch import executor_zygote
+from nbdist.rank import executor_zygote
 
 from ..helpers import GONE_WITHIN_S, Gate, wait_for
 
