@@ -21,7 +21,17 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, handle, logfiles, settings, slices, waiting
+from nbdist import (
+    _logcarry,
+    check,
+    elastic,
+    events,
+    handle,
+    logfiles,
+    settings,
+    slices,
+    waiting,
+)
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -419,6 +429,22 @@ class DistMagics(Magics):
         "directory.",
     )
 
+    flight_recorder = Int(
+        settings.FLIGHT_RECORDER_ENTRIES, config=True,
+        help="Entries of torch's flight recorder in every rank (TORCH_FR_BUFFER_SIZE): the "
+        "collectives %dist_stacks and a hung job's error line up by rank. 0 turns it off; "
+        "--env TORCH_FR_BUFFER_SIZE=N wins for one job. "
+        f"Default: {settings.FLIGHT_RECORDER_ENTRIES}.",
+    )
+
+    @validate("flight_recorder")
+    def _valid_recorder(self, proposal: Any) -> Any:
+        try:
+            settings.Settings().__setattr__("flight_recorder", proposal["value"])
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
+
     warm_at_load = Bool(
         True, config=True,
         help="At %load_ext nbdist, when torch is installed, start the zygote the first local "
@@ -688,6 +714,32 @@ class DistMagics(Magics):
             raise UsageError(f"--timeout takes a positive number of seconds, not "
                              f"{args.timeout:g}")
         display(job.stacks(args.timeout))
+
+    @magic_arguments()
+    @argument("-np", dest="np", type=int, required=True, metavar="N",
+              help="ranks to check (negative: local ranks even when Spark is active)")
+    @argument("--backend", choices=("auto", "local", "spark"), default="auto",
+              help="the backend to check (default: as %%distributed chooses)")
+    @argument("--gpu", action="store_true",
+              help="one GPU per rank, the sweep over NCCL up to 256 MB")
+    @argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+              help="fail the check after this long (default 120)")
+    @line_magic
+    def dist_check(self, line: str) -> None:
+        """Check N ranks before a long run, in seconds: host, Python, torch, CUDA/NCCL and
+        nbdist versions (a mismatch named), the GPUs each rank sees, free space, its clock
+        against the notebook's, and an all-reduce sweep (bus bandwidth as nccl-tests computes
+        it). What is wrong (a rank that failed, one far slower than the others, a version that
+        differs) is said at the end.
+        """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
+        args = parse_argstring(self.dist_check, line)
+        if args.np == 0:
+            raise UsageError("-np takes a number of ranks other than 0")
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout takes a positive number of seconds, not "
+                             f"{args.timeout:g}")
+        print(check.run_check(args.np, args.backend, args.gpu, args.timeout).text())
 
     @magic_arguments()
     @argument("--rank", type=int, default=None,

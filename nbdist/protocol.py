@@ -126,6 +126,9 @@ class Frame:
     #: supervisor → rank: write every thread's stack to the dump file now, from the thread that
     #: reads this pipe (no signal: ``%dist_stacks`` where ``STACKS_SIGNAL`` would hurt the rank)
     STACKS = ord("S")
+    #: supervisor → rank: dump your flight recorder; rank → supervisor: the dump (torch's JSON,
+    #: empty without one: ``rank/flight.py``)
+    COLLECTIVES = ord("C")
 
 
 def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview, flush: bool = True) -> None:
@@ -675,13 +678,15 @@ class NamesEvent(_RankMemory):
 class StacksEvent(TypedDict, total=False):
     """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
     ``faulthandler`` writes them (``text``), or why there are none (``error``); with their
-    native (C) frames where py-spy is installed on the rank's host (``native``)."""
+    native (C) frames where py-spy is installed on the rank's host (``native``); its flight
+    recorder's dump (torch's JSON, ``fr``) where it ran collectives."""
 
     t: Literal["stacks"]
     id: int
     text: str
     error: str
     native: str
+    fr: str
 
 
 class DebugEvent(TypedDict):

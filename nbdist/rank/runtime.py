@@ -718,6 +718,9 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.STACKS:
                 _dump_stacks_here()
                 continue
+            if frame[0] == Frame.COLLECTIVES:
+                _ask_collectives(chan)
+                continue
             inbox.put(frame)
         inbox.put(None)
         debugger.inbox.put(None)
@@ -754,6 +757,35 @@ def main(guard: bool = True) -> None:
         _flush_all()
         _kill_descendants()
         os._exit(code)
+
+
+#: Requests for the flight recorder's dump, answered by one thread of their own.
+_fr_requests: queue.Queue[None] | None = None
+
+
+def _ask_collectives(chan: FrameWriter) -> None:
+    """Answer ``Frame.COLLECTIVES`` off the control thread (torch's dump takes the GIL, which
+    a busy cell holds), from one thread started at the first request and kept: a thread
+    starting or ending while ``faulthandler`` walks the threads for a stack dump can crash
+    the rank, so none does during one (the supervisor asks for the stacks after this answer).
+    """
+    global _fr_requests
+    if _fr_requests is None:
+        _fr_requests = queue.Queue()
+        threading.Thread(target=_answer_collectives, args=(chan, _fr_requests), daemon=True,
+                         name="nbdist-fr").start()
+    _fr_requests.put(None)
+
+
+def _answer_collectives(chan: FrameWriter, requests: queue.Queue[None]) -> None:
+    from nbdist.rank import flight
+
+    while True:
+        requests.get()
+        try:
+            chan.send(Frame.COLLECTIVES, flight.dump())
+        except (OSError, ValueError):
+            return  # the supervisor is gone
 
 
 #: Where the rank's stack dumps go (kept open for its life; ``faulthandler`` keeps the fd).

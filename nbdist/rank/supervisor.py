@@ -85,6 +85,9 @@ STACKS_QUIET_S = 0.05
 #: How long py-spy may take to read a rank's native frames (``native_stacks``): within the
 #: driver's wait for the answers (``job.STACKS_WAIT_S``) after the dump (``STACKS_S``).
 NATIVE_STACKS_S = 1.0
+#: How long a rank's flight recorder dump is waited for, before its stacks are taken (the
+#: dump itself takes under a millisecond once the rank's thread has the GIL).
+FR_S = 0.5
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
 PIECES_QUEUED = 2
@@ -375,6 +378,8 @@ class Supervisor:
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._stacks_path: str | None = None  # where the rank writes its stack dumps
         self._stacks_lock = threading.Lock()  # one dump at a time
+        #: The rank's flight recorder dumps, as they come (``Frame.COLLECTIVES``).
+        self._fr_dumps: queue.Queue[bytes] = queue.Queue()
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
         self._jax_reservation: socket.socket | None = None  # rank 0: JAX's coordinator, the same
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
@@ -741,6 +746,8 @@ class Supervisor:
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._forward(event)
+            elif kind == Frame.COLLECTIVES:
+                self._fr_dumps.put(body)
             elif kind == Frame.PIECE:
                 self._work.piece(body)
                 rp.piece_done()
@@ -767,18 +774,40 @@ class Supervisor:
                    and event.get("state") == "running")
 
     def _answer_stacks(self, req: Any) -> None:
+        # The flight recorder first, its answer awaited: the rank's thread that answers must
+        # not be starting while faulthandler walks the threads (``runtime._ask_collectives``).
+        with self._stacks_lock:  # one flight recorder request at a time too
+            fr = self._collectives(FR_S) if self._ask_collectives() else ""
         text, error = self.stacks()
         answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0}
         if text:
             answer["text"] = text
         if error:
             answer["error"] = error
+        if fr:
+            answer["fr"] = fr
         pid = self._rank_pid
         if text and pid is not None:
             native = native_stacks(pid)
             if native:
                 answer["native"] = native
         self._send(answer)
+
+    def _ask_collectives(self) -> bool:
+        """Ask the rank for its flight recorder's dump (answered on ``_fr_dumps``)."""
+        rp, proc = self._rp, self._proc
+        if rp is None or proc is None or proc.poll() is not None:
+            return False
+        while not self._fr_dumps.empty():  # a late answer to an earlier request
+            self._fr_dumps.get_nowait()
+        return rp.send(Frame.COLLECTIVES, b"")
+
+    def _collectives(self, timeout: float) -> str:
+        """The dump asked for by ``_ask_collectives`` (torch's JSON), or "" (none, or late)."""
+        try:
+            return self._fr_dumps.get(timeout=timeout).decode("utf-8", "replace")
+        except queue.Empty:
+            return ""
 
     def stacks(self, timeout: float = STACKS_S) -> tuple[str, str]:
         """The stacks of every thread of the rank (``faulthandler``'s text), and "" — or ""
