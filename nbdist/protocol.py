@@ -504,6 +504,7 @@ class HelloEvent(TypedDict, total=False):
     gpus: list[int | str]
     tf_port: int  # held for the rank's TensorFlow worker (``TF_CONFIG``)
     port: int  # rank 0: a free port for ``MASTER_PORT``
+    jax_port: int  # rank 0: held for JAX's coordinator (``NBDIST_JAX_COORDINATOR``)
     executor: str  # Spark: the executor's id
     rank: int  # in the backend's own rendezvous (``rank.Gather``), where no connection says it
 

@@ -114,3 +114,22 @@ def test_data_notebook_trains_from_a_spark_dataframe() -> None:
     assert found is not None, texts[3]
     w1, w2, b = map(float, found.groups())
     assert abs(w1 - 3) < 0.1 and abs(w2 + 2) < 0.1 and abs(b - 1) < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax (nbdist[jax])")
+def test_frameworks_notebook_runs_plain_jax_and_resumes_fsdp2() -> None:
+    """Plain JAX initializes with no arguments and psums across both ranks; FSDP2 saves a
+    distributed checkpoint, loses rank 1, and both ranks resume from it with the saved weights."""
+    texts = execute("07-frameworks.ipynb")
+    jax = texts[1]
+    assert "[rank 0] process 0 of 2: psum = 3.0" in jax
+    assert "[rank 1] process 1 of 2: psum = 3.0" in jax
+    fsdp = texts[3]
+    assert "rank 1 was killed by SIGKILL" in fsdp and "restarted (rule 'signal')" in fsdp
+    for rank in (0, 1):
+        assert f"[rank {rank}] resumed at step 4; weights as saved: True" in fsdp
+        assert f"[rank {rank}] attempt 1 step 7: loss" in fsdp
+        assert f"[rank {rank}] attempt 0 step 4" not in fsdp  # attempt 0 ended at its checkpoint
+    assert "{'attempt': 1, 'resumed_at': 4, 'final_loss':" in fsdp

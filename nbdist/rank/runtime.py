@@ -60,7 +60,7 @@ from nbdist.protocol import (
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import debugger, host, localcode, reporting
+from nbdist.rank import debugger, host, jax_cluster, localcode, reporting
 from nbdist.rank.host import installation_dirs, is_installed
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
@@ -720,6 +720,7 @@ def main(guard: bool = True) -> None:
     pacer = Pacer()
     pacer.install()
     _guard_forks(pacer)
+    jax_cluster.install()  # jax.distributed.initialize() finds the job, if the cell uses JAX
     ready: StateEvent = {"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()}
     debugger.install(lambda text: chan.event({"t": "debug", "text": text}))
     stacks = register_stack_dumps()

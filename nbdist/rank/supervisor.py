@@ -358,6 +358,7 @@ class Supervisor:
         self._stacks_path: str | None = None  # where the rank writes its stack dumps
         self._stacks_lock = threading.Lock()  # one dump at a time
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
+        self._jax_reservation: socket.socket | None = None  # rank 0: JAX's coordinator, the same
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
         self.marks: dict[str, float] = {}
         #: Called with each new mark's name, from the thread that made it (a backend's hook:
@@ -466,7 +467,7 @@ class Supervisor:
             ended.set()
             if self._killer is not None:
                 self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
-            self._release_tf_port()
+            self._release_ports()
             self._kill_group(signal.SIGKILL)
             if self._rp is not None:
                 self._rp.close()
@@ -487,16 +488,23 @@ class Supervisor:
         if self._tf_reservation is not None:
             hello["tf_port"] = self._tf_reservation.getsockname()[1]
         if spec.rank == 0:
+            # JAX's coordinator (jax.distributed.initialize(), rank/jax_cluster.py) gets a port
+            # of its own, held like the TF port, so a cell may use torch.distributed too.
+            self._jax_reservation = _reserve_port()
+            if self._jax_reservation is not None:
+                hello["jax_port"] = self._jax_reservation.getsockname()[1]
             hello["port"] = channel.free_port()
         if spec.executor:
             hello["executor"] = spec.executor
         return hello
 
-    def _release_tf_port(self) -> None:
-        """Free the reserved TensorFlow port for the rank to bind (TF binds all interfaces)."""
-        held, self._tf_reservation = self._tf_reservation, None
-        if held is not None:
-            held.close()
+    def _release_ports(self) -> None:
+        """Free the reserved TensorFlow and JAX ports for the rank to bind (both bind all
+        interfaces)."""
+        for held in (self._tf_reservation, self._jax_reservation):
+            if held is not None:
+                held.close()
+        self._tf_reservation = self._jax_reservation = None
 
     def _connect(self, hello: HelloEvent) -> None:
         spec = self.spec
@@ -601,7 +609,7 @@ class Supervisor:
 
     def _spawn(self) -> Proc | None:
         spec = self.spec
-        self._release_tf_port()
+        self._release_ports()
         world = dict(self._world_env)
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
             world.pop("OMP_NUM_THREADS", None)  # the user's setting wins
