@@ -54,6 +54,9 @@ class Handle:
     state: state.JobState
     #: What the messages call it ("job", "cell").
     noun = "job"
+    #: The ranks whose values it gives, in rank order (None: every rank): ``result()`` is the
+    #: first one's value, ``results`` theirs (a session cell's ``--targets``).
+    targets: tuple[int, ...] | None = None
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -146,14 +149,16 @@ class Handle:
         if self._lost is not None and not self._warned:
             self._warned = True
             warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
-        return self._values.get(0)
+        return self._values.get(self.targets[0] if self.targets else 0)
 
     @property
     def results(self) -> list[Any]:
-        """Every rank's value, index = rank (waits for the work)."""
+        """Every rank's value, index = rank (waits for the work); ``targets``' only, in rank
+        order, where it has them."""
         self.result()
         holder = self._holder()
-        return [holder._values.get(r) for r in range(holder.np)]
+        ranks = holder.targets if holder.targets is not None else range(holder.np)
+        return [holder._values.get(r) for r in ranks]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the work ended with (None: it succeeded), once it is over."""

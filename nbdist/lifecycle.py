@@ -352,7 +352,8 @@ class CellMachine:
     interrupts the others (they may wait for it in a collective), a second cancel adds
     nothing, and ranks that do not stop within the grace break the session."""
 
-    np: int
+    #: The ranks the cell runs on (``--targets``; every rank of the session by default).
+    ranks: tuple[int, ...]
     values: set[int] = field(default_factory=set)
     errors: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank → (kind, message)
     #: The rank the cell's error names: the first to fail other than by an interrupt.
@@ -375,7 +376,7 @@ class CellMachine:
 
     @property
     def running(self) -> list[int]:
-        return [r for r in range(self.np) if r not in self.values and r not in self.errors]
+        return [r for r in self.ranks if r not in self.values and r not in self.errors]
 
     def verdict(self) -> End:
         if self.first_error is not None:

@@ -50,6 +50,7 @@ class Options:
     export: str | None = None
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
+    targets: str | None = None  # --targets SPEC: the session's ranks this cell runs on
 
 
 class StatusArgs(NamedTuple):
@@ -252,6 +253,12 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
+    targets = getattr(args, "targets", None)
+    if targets is not None and np is not None:
+        raise UsageError("--targets picks ranks of the kernel's session (%dist_session); a job "
+                         "of its own (-np N) runs on all its ranks: drop -np or --targets")
+    if targets is not None and not targets.strip():
+        raise UsageError("--targets takes ranks of the session: 0,2 or 1-3 or host=NAME")
     try:
         job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
                          mlflow=mlflow, log_dir=log_dir, restarts=restarts)
@@ -261,6 +268,7 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
         np=np, job=job, output=args.output, quiet=args.quiet, bg=getattr(args, "bg", False),
         show_source=args.show_source, export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
+        targets=targets,
     )
 
 
@@ -473,6 +481,9 @@ class DistMagics(Magics):
     @argument("-o", dest="output", metavar="VAR",
               help="store every rank's value in VAR as a list (index = rank)")
     @argument("--quiet", action="store_true", help="show no output, only errors and the result")
+    @argument("--targets", metavar="SPEC",
+              help="a session cell: run on these ranks only (0,2 or 1-3 or host=NAME); the "
+              "others keep their state untouched, and -o gets the targets' values in rank order")
     @argument("--bg", action="store_true",
               help="run in the background: return the job at once; the panel stays live")
     @argument("--show-source", action="store_true",
@@ -561,7 +572,11 @@ class DistMagics(Magics):
     ) -> Any:
         job: handle.Handle
         if on is not None:
-            job = on.run_cell(payload, timeout=opts.job.timeout)
+            try:
+                targets = on.targets(opts.targets) if opts.targets is not None else None
+            except ValueError as exc:
+                raise UsageError(f"--targets {opts.targets}: {exc}") from None
+            job = on.run_cell(payload, timeout=opts.job.timeout, targets=targets)
         else:
             assert opts.np is not None
             try:

@@ -676,12 +676,32 @@ class ResultEvent(TypedDict, total=False):
     bytes: list[int]  # which of the sizes are ``bytes`` objects (``values.bytes_segments``)
 
 
+#: The most a rank's one display may weigh, its mime bundle as sent (base64 for images): an
+#: event travels as one line of the event channel (``events.MAX_LINE_BYTES``, 16 MiB) and
+#: reaches the notebook as one IOPub message. A bigger representation is left out, and the
+#: display says so (``DisplayEvent.note``).
+MAX_DISPLAY_BYTES = 8_000_000
+
+
+class DisplayEvent(TypedDict, total=False):
+    """Rich output of a rank (``display(obj)``, a matplotlib figure): a Jupyter mime bundle
+    (``data``: mime type → str, base64 for binary types, or JSON for ``application/json``;
+    ``metadata`` likewise), as the kernel would publish it. ``size``: the bundle's bytes as
+    sent; ``note``: what was left out to stay within ``MAX_DISPLAY_BYTES``, in words."""
+
+    t: Literal["display"]
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    size: int
+    note: str
+
+
 #: Everything a rank sends: its interpreter to its supervisor (``Frame.EVENT``), and its
 #: supervisor to the driver (the event channel).
 RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
              | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
              | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent
-             | DebugEvent)
+             | DebugEvent | DisplayEvent)
 
 
 class WorldEvent(TypedDict):

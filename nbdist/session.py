@@ -28,7 +28,7 @@ import atexit
 import base64
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbdist import _pickling, channel, lifecycle, state, values
@@ -204,18 +204,32 @@ class Session:
             raise SessionError(f"session {self.id} could not start: {why}")
 
     # -- cells --------------------------------------------------------------------------------
+    def targets(self, spec: str) -> list[int]:
+        """The session's ranks that ``spec`` names (``0,2``, ``1-3``, ``host=NAME``), in rank
+        order; ValueError for a spec that names none or is not understood."""
+        ranks = state.select_ranks(spec, self.state.ranks)
+        if not ranks:
+            raise ValueError(f"no rank of session {self.id} matches it (ranks 0-{self.np - 1})")
+        return ranks
+
     def run_cell(
         self, payload: Payload, *, timeout: float | None = None, label: str = "",
         per_rank: Callable[[int], Mapping[str, Any]] | None = None,
+        targets: Sequence[int] | None = None,
     ) -> SessionCell:
-        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session.
+        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session,
+        or on ``targets`` only (``--targets``: the others' state stays untouched).
 
         ``per_rank(r)``, when given, adds rank ``r``'s own keys to its payload (a scatter's
         slice): called for one rank at a time, just before its payload is sent."""
+        ranks = sorted(set(targets)) if targets is not None else list(range(self.np))
+        if not ranks or not all(0 <= r < self.np for r in ranks):
+            raise ValueError(f"targets {list(ranks)}: session {self.id} has ranks "
+                             f"0-{self.np - 1}")
         with self._lock:
             self.check_usable()
             self._cell_ids += 1
-            cell = SessionCell(self, f"{self.id}.{self._cell_ids}", timeout, label)
+            cell = SessionCell(self, f"{self.id}.{self._cell_ids}", timeout, label, ranks)
             self._cell = cell
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
@@ -224,7 +238,7 @@ class Session:
         common = {**payload, "session": True, "keep": True, "cell": self._cell_ids}
         message: CellEvent | None = None
         direct = True
-        for rank in range(self.np):
+        for rank in ranks:
             if message is None or per_rank is not None:
                 own = common if per_rank is None else {**common, **per_rank(rank)}
                 pickled = _pickling.dumps(own)
@@ -393,12 +407,17 @@ class SessionCell(Handle):
     noun = "cell"
 
     def __init__(
-        self, session: Session, cell_id: str, timeout: float | None, label: str
+        self, session: Session, cell_id: str, timeout: float | None, label: str,
+        targets: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.id = cell_id
         self.session = session
         self.np = session.np
+        #: The ranks it runs on, in rank order (``--targets``; every rank by default): its
+        #: result is the first one's value, its results theirs (``Handle.targets``).
+        self._ranks = tuple(targets) if targets is not None else tuple(range(session.np))
+        self.targets = self._ranks
         self.label = label
         self.launcher = session.launcher
         self.timeout = timeout
@@ -407,13 +426,17 @@ class SessionCell(Handle):
         for r in session.state.ranks:  # the ranks' hosts and pids are the session's
             self.state.apply(r.rank, {"t": "hello", "host": r.host,
                                       "gpus": r.gpu.split(",") if r.gpu else []})
-            self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
+            if r.rank in self._ranks:
+                self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
+        if len(self._ranks) < self.np:
+            self.state.set_note(f"runs on ranks {', '.join(map(str, self._ranks))} of "
+                                f"{self.np} (--targets); the others keep their state")
         self._lock = threading.Lock()
         self._number = int(cell_id.rpartition(".")[2])
         self._incoming: dict[int, values.Receiver] = {}  # rank → its value, arriving
         self._errors: dict[int, str] = {}  # rank → its traceback
         # The cell's life (``lifecycle.CellMachine``): decided there, under ``_lock``.
-        self._machine = lifecycle.CellMachine(session.np)
+        self._machine = lifecycle.CellMachine(self._ranks)
         self._grace: threading.Timer | None = None
         self._timer: threading.Timer | None = None
         if timeout is not None:
@@ -564,7 +587,7 @@ class SessionCell(Handle):
             for timer in (self._timer, self._grace):
                 if timer is not None:
                     timer.cancel()
-            for r in range(self.np):
+            for r in self._ranks:
                 if r not in self._values and r not in self._errors:
                     self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
             with self._lock:

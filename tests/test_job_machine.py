@@ -234,6 +234,10 @@ CELLS = [
         (CellError(0, "KeyboardInterrupt", "", 1.2), []),
         (GraceOver(11.0), [BreakSession((1,), "interrupted from the notebook")]),
     ], None, None),
+    ("a cell on some ranks (--targets) waits for those only", (1, 3), [
+        (CellError(3, "ValueError", "bad", 1.0), [Interrupt((1,), "rank 3 failed")]),
+        (CellError(1, "KeyboardInterrupt", "", 1.1), [SettleCell(End.FAILED)]),
+    ], End.FAILED, 3),
     ("a rank's last word after the cell settled changes nothing", 1, [
         (CellValue(0, 1.0), [SettleCell(End.DONE)]),
         (CellError(0, "RuntimeError", "late", 1.1), []),
@@ -245,11 +249,11 @@ CELLS = [
 @pytest.mark.parametrize(("np", "steps", "verdict", "first"), [c[1:] for c in CELLS],
                          ids=[c[0] for c in CELLS])
 def test_a_session_cell_ends_by_the_order_of_its_ranks(
-        np: int, steps: list[tuple[object, list[object]]], verdict: End | None,
+        np: int | tuple[int, ...], steps: list[tuple[object, list[object]]], verdict: End | None,
         first: int | None) -> None:
     """Each stimulus of a session cell gives exactly its actions; the verdict and the rank
     the error names follow who failed first."""
-    machine = CellMachine(np)
+    machine = CellMachine(tuple(range(np)) if isinstance(np, int) else np)
     for stimulus, expected in steps:
         assert machine.handle(stimulus) == expected, stimulus  # type: ignore[arg-type]
     if verdict is not None:

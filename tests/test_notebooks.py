@@ -117,6 +117,26 @@ def test_data_notebook_trains_from_a_spark_dataframe() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_figures_notebook_shows_rank_zeros_figure() -> None:
+    """The figures notebook shows rank 0's Markdown and matplotlib figure below the panel."""
+    pytest.importorskip("matplotlib")
+    nb = nbformat.read(NOTEBOOKS / "06-figures.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    draw = [c for c in nb.cells if c.cell_type == "code"][1]
+    shown = [o for o in draw.outputs if o.output_type == "display_data"
+             and o.get("metadata", {}).get("nbdist", {}).get("rank") == 0]
+    assert [sorted(o.data) for o in shown] == [["text/markdown", "text/plain"],
+                                              ["image/png", "text/plain"]]
+    assert shown[0].data["text/markdown"].startswith("**rank 0**: slope 2.")
+    assert shown[1].data["text/plain"].startswith("[rank 0] <Figure size")
+    assert not any(o.get("metadata", {}).get("nbdist", {}).get("rank") == 1
+                   for o in draw.outputs)
+    result = [o for o in draw.outputs if o.output_type == "execute_result"]
+    assert result and result[0].data["text/plain"].startswith("2.")
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax (nbdist[jax])")
 def test_frameworks_notebook_runs_plain_jax_and_resumes_fsdp2() -> None:

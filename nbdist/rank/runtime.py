@@ -60,7 +60,7 @@ from nbdist.protocol import (
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import debugger, host, jax_cluster, localcode, reporting
+from nbdist.rank import debugger, host, jax_cluster, localcode, reporting, rich
 from nbdist.rank.host import installation_dirs, is_installed
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
@@ -72,12 +72,6 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- running a payload ---------------------------------------------------------------------------
-def _display(*objs: Any, **kwargs: Any) -> None:
-    """IPython's ``display`` on a rank, which has no front end: print each object's repr."""
-    for obj in objs:
-        print(repr(obj))
-
-
 def _import(module: str, what: str, name: str) -> Any:
     try:
         return importlib.import_module(module)
@@ -100,7 +94,7 @@ def _namespace(payload: SessionKeys) -> dict[str, Any]:
         ns.update({"__name__": "__main__", "__builtins__": builtins})
         shell = RankShell(ns)
         ns["get_ipython"] = lambda: shell
-        ns["display"] = _display
+        ns["display"] = rich.display
     return ns
 
 
@@ -568,6 +562,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
         payload: Payload = _load_payload(frame[1])
         try:
             reporting.bridge_tqdm()
+            rich.install()  # display() and matplotlib's figures reach the notebook
             chan.event({"t": "state", "state": "running"})
             try:
                 _interruptible.set()
@@ -579,6 +574,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                     # raised in this cleanup (skipping the rest of it, and leaving the next
                     # interrupt to end the serve loop, and the rank, between cells).
                     _interruptible.clear()
+                    rich.flush_figures()  # the cell's open figures, as the inline backend
                     # What follows (the end mark, modules, names, value or error) goes to the
                     # supervisor in one write (see ``FrameWriter.hold``).
                     chan.hold()
