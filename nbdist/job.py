@@ -144,6 +144,7 @@ class Job(Handle):
         session = owner is not None
         self._owner = owner
         self._payload = payload
+        self._payload_bytes = 0  # what the payload pickled to (Job.start)
         self.id = new_id("s" if session else "j")
         self.label = options.label
         self.np = np
@@ -157,7 +158,8 @@ class Job(Handle):
             self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
         # Every line of every rank, in a file per rank (an attempt appends to its job's).
-        self._logs = logfiles.RankLogs(options.log_dir or logfiles.default_dir(self.state.id))
+        # Written by a thread of the job's own, never the event server's (``logfiles``).
+        self._logs = logfiles.for_job(self.state.id, options.log_dir, self.state.set_log_error)
         self.state.log_dir = self._logs.folder
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
@@ -207,6 +209,7 @@ class Job(Handle):
         launcher.check(np, self.gpu)
         # A session's ranks start without a payload: its cells follow on the event channel.
         body = b"" if payload is None else _pickling.dumps(payload)
+        self._payload_bytes = len(body)
         self.address = launcher.driver_address()
         self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
@@ -476,6 +479,8 @@ class Job(Handle):
             self._timer.cancel()
         self._server.remove_job(self.id)
         self._logs.close()
+        if self._payload_bytes >= TRIM_AFTER_BYTES:
+            _trim_heap()
         outcomes = [self._outcomes[r] for r in range(self.np)]
         failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
@@ -648,8 +653,16 @@ class Job(Handle):
                 print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
             try:
                 line = input(f"[rank {rank}] {PDB_PROMPT}")
-            except EOFError:  # no input box: let the rank go on
+            except (EOFError, NotImplementedError) as exc:
+                # No input box: an end of input (a terminal's ^D, a closed stdin), or a
+                # frontend without stdin (nbclient, papermill: ipykernel's input() raises
+                # StdinNotImplementedError, a NotImplementedError). Raised from here it would
+                # leave the rank in pdb and the job (or the session's cell) running until its
+                # timeout; the documented answer is ``c``, said where the cell's output goes.
                 line = "c"
+                print(f"[rank {rank}] no input box to ask "
+                      f"({'no stdin' if isinstance(exc, NotImplementedError) else 'end of input'}"
+                      f"): answered c (continue)", flush=True)
             if not self._done.is_set():
                 self.send(rank, {"t": "debug", "text": line})
 
@@ -683,6 +696,23 @@ def _server(address: events.DriverAddress) -> events.EventServer:
             f"machine to listen on (spark.driver.bindAddress); the address told to the ranks "
             f"(DistMagics.driver_host) need not be this machine's."
         ) from None
+
+
+#: A job whose payload pickled to this much gives the freed memory back to the system when it
+#: ends (``_trim_heap``): a large notebook package read and pickled in pieces left the kernel
+#: that much bigger, free but kept by the C allocator.
+TRIM_AFTER_BYTES = 32 << 20
+
+
+def _trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc's ``malloc_trim``; nothing
+    elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def start(payload: Payload, np: int, options: JobOptions | None = None) -> Job:

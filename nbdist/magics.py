@@ -818,6 +818,10 @@ class DistMagics(Magics):
         session = self._session()
         shell = self.shell
         assert shell is not None
+        # Every value is pickled (and refused, if it must be) before any rank is involved: a
+        # refusal leaves the session as it was. Each is pickled once; that pickle is what
+        # travels (session.run_cell), and is let go once every rank has it.
+        pickled: list[tuple[str, bytes]] = []
         for name in args.names:
             if name not in shell.user_ns:
                 raise UsageError(f"the notebook has no variable {name!r} to push")
@@ -827,7 +831,12 @@ class DistMagics(Magics):
             if not captured.values:
                 raise UsageError(f"{name!r} is a module or an import in the notebook; import "
                                  f"it in a %%distributed cell instead")
-            session.run_cell({"kind": "push", "name": name, "data": captured.data}).result()
+            pickled.append((name, captured.data))
+            del captured
+        while pickled:
+            name, data = pickled.pop(0)
+            session.run_cell({"kind": "push", "name": name, "data": data}).result()
+            del data
         print(f"pushed {', '.join(args.names)} to the {session.np} ranks of {session.id}")
 
     @magic_arguments()
@@ -855,12 +864,18 @@ class DistMagics(Magics):
             raise UsageError(f"cannot scatter {args.name!r}: it has {n} items for the "
                              f"{session.np} ranks of {session.id}; every rank needs one")
 
-        def own(rank: int) -> dict[str, Any]:
+        # Every slice is pickled (and refused, if it must be) before any rank is involved: a
+        # refusal leaves the session as it was. The slices' pickles are what travel, each
+        # let go once its rank has it (session.run_cell).
+        parts: list[bytes | None] = [
             # Capture's rules (refusals, size warnings) apply to each slice as to a push.
-            captured = capture_cell(args.name, {args.name: slices.part(value, rank,
-                                                                       session.np)},
-                                    warn_bytes=int(self.large_value_mb * 1e6))
-            return {"data": captured.data}
+            capture_cell(args.name, {args.name: slices.part(value, rank, session.np)},
+                         warn_bytes=int(self.large_value_mb * 1e6)).data
+            for rank in range(session.np)]
+
+        def own(rank: int) -> dict[str, Any]:
+            data, parts[rank] = parts[rank], None
+            return {"data": data}
 
         session.run_cell({"kind": "push", "name": args.name, "data": b""},
                          per_rank=own).result()

@@ -155,6 +155,8 @@ class JobState:
         self.rejected = 0
         #: Where every line of every rank is written (``nbdist.logfiles``), or None.
         self.log_dir: str | None = None
+        #: Why the log files could not be written (or stopped being written), or None.
+        self.log_error: str | None = None
         #: Where its ranks were when nbdist stopped the job (a timeout, a cancel): their
         #: stacks, grouped (``nbdist.stacks``); "" when none were taken.
         self.forensics = ""
@@ -379,6 +381,12 @@ class JobState:
         """The ranks' grouped stacks, taken before nbdist stopped them."""
         with self.lock:
             self.forensics = text
+            self.version += 1
+
+    def set_log_error(self, error: str) -> None:
+        """The ranks' log files cannot be written (``logfiles.RankLogs``): the views say so."""
+        with self.lock:
+            self.log_error = error
             self.version += 1
 
     def finish(self, status: str, reason: str = "") -> None:

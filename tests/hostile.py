@@ -365,3 +365,30 @@ def zygote_send_each(path: str, cases: list[tuple[str, Payload, int]]) -> list[s
                 failed.append(f"{what} (its descriptors kept)")
             os.close(r)
     return failed
+
+
+# -- files and folders another local user can reach (HARDENING.md rules 1-3) --------------------
+#: The uid the folders of "another user" are given (nobody).
+STRANGER_UID = 65534
+
+
+def strangers_folder(path: str) -> str:
+    """Make ``path`` a folder as another local user would have made it first: theirs, mode
+    0777 (root only: ``chown``; the test is skipped otherwise)."""
+    import os
+
+    if os.getuid() != 0:
+        pytest.skip("making a folder of another user needs root (chown)")
+    os.makedirs(path, exist_ok=True)
+    os.chown(path, STRANGER_UID, STRANGER_UID)
+    os.chmod(path, 0o777)
+    return path
+
+
+def fifo(path: str) -> str:
+    """A named pipe at ``path`` that nobody reads: opening it to write blocks (or fails with
+    ``O_NONBLOCK``)."""
+    import os
+
+    os.mkfifo(path, 0o600)
+    return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import warnings
 from collections.abc import Callable, Collection, Container, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 
 from nbdist.capture import _launchers as launchers
 from nbdist.capture._export import function_source, write_export
-from nbdist.capture._local import objects_modules, shipped_code
+from nbdist.capture._local import objects_modules, shadowing, shipped_code
 from nbdist.capture._scope import Flow, Need
 from nbdist.capture._shards import shard_only
 from nbdist.capture._ship import (
@@ -162,7 +163,18 @@ def capture_cell(
     captured.code = shipped_code(modules)
     if captured.code is not None and captured.code.size > limit:
         warnings.warn(large_code_message(captured.code, limit), CaptureWarning, stacklevel=2)
+    for name, file in shadowing(modules):
+        warnings.warn(shadow_message(name, file), CaptureWarning, stacklevel=2)
     return captured
+
+
+def shadow_message(name: str, file: str) -> str:
+    """The warning for a notebook module that shadows an installed or standard one."""
+    what = "a standard module" if name in sys.stdlib_module_names else "an installed package"
+    return (f"the kernel imports {name} from the notebook's own {file}, which shadows "
+            f"{what} of that name: the ranks import the installed {name}, not this file, so "
+            f"they would run different code. Rename the file (and import it by its new name) "
+            f"to ship it to the ranks.")
 
 
 def call_code(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ShippedCode | None:
@@ -170,10 +182,13 @@ def call_code(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Ship
     those of ``fn`` (its module, what its code imports) and of the arguments' classes, with
     what they import; None when there are none. A large tree warns as in :func:`capture_cell`.
     """
-    code = shipped_code(objects_modules((fn, *args, *kwargs.values())))
+    modules = objects_modules((fn, *args, *kwargs.values()))
+    code = shipped_code(modules)
     limit = settings.large_value_bytes
     if code is not None and code.size > limit:
         warnings.warn(large_code_message(code, limit), CaptureWarning, stacklevel=3)
+    for name, file in shadowing(modules):
+        warnings.warn(shadow_message(name, file), CaptureWarning, stacklevel=3)
     return code
 
 

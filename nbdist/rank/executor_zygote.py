@@ -63,6 +63,7 @@ from typing import Literal, TypedDict, cast
 from nbdist.rank.supervisor import RankProcess, RankSpec, new_sync_marker
 from nbdist.rank.zygote import ExitMsg, Forked, ForkedMsg, ForkMsg, import_modules
 from nbdist.timeline import END, EXIT
+from nbdist.tmpdirs import private_dir
 
 #: How the zygote is started; the ranks it forks show the same command line.
 COMMAND = "from nbdist.rank.executor_zygote import main; main()"
@@ -151,17 +152,12 @@ def supported() -> bool:
 
 
 def socket_dir() -> str:
-    """``<tmpdir>/nbdist-<uid>``, made 0700 if it is not there; refused if not ours."""
+    """``<tmpdir>/nbdist-<uid>``, made 0700 if it is not there; refused if not ours
+    (``tmpdirs.private_dir``)."""
     base = tempfile.gettempdir()
     if len(base) > 60:  # a socket's path must fit in 108 bytes (YARN's container tmp does not)
         base = "/tmp"
-    path = os.path.join(base, f"nbdist-{os.getuid()}")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isdir(path):
-        raise PermissionError(f"{path} is not a private directory of this user")
-    return path
+    return private_dir(f"nbdist-{os.getuid()}", base)
 
 
 def mac(secret: str, nonce: str) -> str:

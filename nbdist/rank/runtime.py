@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nbdist import _logcarry, values  # standard library only
 from nbdist.protocol import (
@@ -541,13 +541,19 @@ def _install_code(digest: str, files: tuple[tuple[str, bytes], ...],
 
 
 def _load_payload(data: bytes) -> Payload:
-    loaded: Payload = _PayloadLoader(io.BytesIO(data)).load()
+    stream = io.BytesIO(data)
+    loaded: Payload = _PayloadLoader(stream).load()
+    if loaded["kind"] == "push" and "data" not in loaded:
+        # A large push: its value's pickle follows the payload's in the frame (PushPayload).
+        # (a view, not a copy: load_values reads any bytes-like object)
+        cast(Any, loaded)["data"] = memoryview(data)[stream.tell():]
     return loaded
 
 
 def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:  # noqa: C901 - one branch per frame kind
     import cloudpickle
 
+    keeping = False  # the last payload's "keep": a session's rank serves on after an error
     while True:
         frame = inbox.get()
         if frame is None or frame[0] == Frame.QUIT:
@@ -559,7 +565,16 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
         if frame[0] == Frame.ENV:
             _set_env(json.loads(frame[1]))
             continue
-        payload: Payload = _load_payload(frame[1])
+        try:
+            payload: Payload = _load_payload(frame[1])
+        except Exception as exc:
+            # Its shipped code could not be installed (a code folder another user made), a
+            # value could not be unpickled: the user's error, said as one, not a crash.
+            chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
+            if not keeping:
+                return
+            continue
+        keeping = bool(payload.get("keep"))
         try:
             reporting.bridge_tqdm()
             rich.install()  # display() and matplotlib's figures reach the notebook
@@ -700,6 +715,9 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.DEBUG:
                 debugger.inbox.put(frame[1].decode("utf-8", "replace"))
                 continue
+            if frame[0] == Frame.STACKS:
+                _dump_stacks_here()
+                continue
             inbox.put(frame)
         inbox.put(None)
         debugger.inbox.put(None)
@@ -768,6 +786,20 @@ def register_stack_dumps() -> str | None:
         os.unlink(path)
         return proc_path
     return path
+
+
+def _dump_stacks_here() -> None:
+    """Write every thread's stack to the dump file from this thread, without a signal (the
+    supervisor asks so where ``STACKS_SIGNAL`` would end the rank, be lost, or cut short a
+    system call: ``rank/signals.py``). Needs the GIL, which a rank stuck in C code holding it
+    does not give: the supervisor then reads the stacks from outside (py-spy) or says why not."""
+    import faulthandler
+
+    if _stacks_file is not None:
+        try:
+            faulthandler.dump_traceback(file=_stacks_file, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass  # the supervisor reports no dump within its wait
 
 
 def _kill_descendants() -> None:

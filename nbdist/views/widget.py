@@ -447,16 +447,17 @@ class Panel(BackgroundRenderer):
 
     def _pane_html(self, rank: int | None) -> str:
         job = self.job
+        logs = None if job.log_error else job.log_dir  # never name files that were not written
         if rank is None:
             merged = list(job.merged)[-LOG_VIEW_LINES:]
             width = len(str(max(job.np - 1, 0)))
             skipped = max(0, job.seq - len(merged))
             return _log_html([(f"[{ln.rank:>{width}}] ", ln.text) for ln in merged], skipped,
-                             log_dir=job.log_dir)
+                             log_dir=logs)
         r = job.ranks[rank]
         log = list(r.log)[-LOG_VIEW_LINES:]
         return _log_html([("", ln.text) for ln in log], r.lines - len(log), r.status_line,
-                         job.log_dir)
+                         logs)
 
     def _picked(self, change: dict[str, Any]) -> None:
         rank = int(change["new"])

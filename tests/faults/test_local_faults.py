@@ -266,6 +266,11 @@ def test_hostile_input_leaves_the_event_server_serving(tmp_path: Path) -> None:
     rows.hostile_input_then_a_live_job(LOCAL, tmp_path)
 
 
+def test_a_fifo_log_file_blocks_neither_its_job_nor_the_next(tmp_path: Path) -> None:
+    """A FIFO at ``rank-0.log`` is refused and said; a job after it streams live."""
+    rows.fifo_log_then_a_live_job(LOCAL, tmp_path)
+
+
 def test_a_job_runs_while_1000_idle_strangers_are_connected(tmp_path: Path) -> None:
     """A job's ranks get in and stream live while 1000 strangers hold idle connections; the
     strangers are all cut and counted."""

@@ -262,6 +262,14 @@ def test_hostile_input_leaves_the_event_server_serving(
     rows.hostile_input_then_a_live_job(spark, tmp_path)
 
 
+def test_a_fifo_log_file_blocks_neither_its_job_nor_the_next(
+    spark: rows.Target, tmp_path: Path
+) -> None:
+    """A FIFO at a Spark rank's ``rank-0.log`` (written on the driver) is refused and said;
+    a job after it streams live."""
+    rows.fifo_log_then_a_live_job(spark, tmp_path)
+
+
 def test_a_job_runs_while_1000_idle_strangers_are_connected(
     spark: rows.Target, tmp_path: Path
 ) -> None:
