@@ -3,7 +3,10 @@ gather results and failures.
 
 Which backend runs it is the registry's choice (``nbdist.launch.backends``); how ranks start is
 the launcher's business (``nbdist.launch``); how the job is shown is the
-views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) up to date.
+views' (``nbdist.views``). When the job stops its ranks, and how it ended, is its machine's
+(``nbdist.lifecycle.JobMachine``): this module is that machine's I/O shell, which turns what
+the event server, the backend and the timers say into stimuli, carries out the actions, keeps
+the state (``nbdist.state``) up to date and settles the job's ``Handle`` once.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nbdist import _pickling, channel, state, values
+from nbdist import _pickling, channel, lifecycle, state, values
 from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
@@ -481,9 +481,9 @@ class SessionCell(Handle):
         self._lock = threading.Lock()
         self._number = int(cell_id.rpartition(".")[2])
         self._incoming: dict[int, values.Receiver] = {}  # rank → its value, arriving
-        self._errors: dict[int, str] = {}
-        self._first_error: int | None = None
-        self._interrupted: str | None = None
+        self._errors: dict[int, str] = {}  # rank → its traceback
+        # The cell's life (``lifecycle.CellMachine``): decided there, under ``_lock``.
+        self._machine = lifecycle.CellMachine(self._ranks)
         self._grace: threading.Timer | None = None
         self._timer: threading.Timer | None = None
         if timeout is not None:
@@ -563,33 +563,49 @@ class SessionCell(Handle):
         return receiver.next_buffer(size) if receiver is not None and type(size) is int else None
 
     def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
+        stimulus: lifecycle.CellStimulus
         with self._lock:
             if self.settled or rank in self._values or rank in self._errors:
                 return
             if error is None:
                 self._values[rank] = value
+                stimulus = lifecycle.CellValue(rank, time.time())
             else:
                 self._errors[rank] = error[2]
-                if self._first_error is None and error[0] != "KeyboardInterrupt":
-                    self._first_error = rank
-                    self._first_what = f"{error[0]}: {error[1]}"
-            running = [r for r in self._ranks if r not in self._values and
-                       r not in self._errors]
-            first_failure = error is not None and self._interrupted is None and running
+                stimulus = lifecycle.CellError(rank, error[0], error[1], time.time())
+            actions = self._machine.handle(stimulus)
         self.state.set_rank(rank, state.DONE if error is None else state.FAILED)
-        if first_failure:
-            # Others may wait for this rank in a collective: stop them as an interrupt does.
-            self.cancel(f"rank {rank} failed")
-        if not running:
-            self._complete()
+        self._do(actions)
+
+    def _act(self, stimulus: lifecycle.CellStimulus) -> None:
+        with self._lock:
+            actions = self._machine.handle(stimulus)
+        self._do(actions)
+
+    def _do(self, actions: list[lifecycle.CellAction]) -> None:
+        for action in actions:
+            if isinstance(action, lifecycle.Interrupt):
+                # The first failure: others may wait for this rank in a collective, so they
+                # are stopped as an interrupt does; a rank that does not stop breaks the session.
+                self.session.interrupt(self, list(action.ranks))
+                self._grace = after(INTERRUPT_GRACE_S, self._stuck, action.reason)
+            elif isinstance(action, lifecycle.BreakSession):
+                self.session._fail(
+                    f"ranks {', '.join(map(str, action.ranks))} did not stop within "
+                    f"{INTERRUPT_GRACE_S:g} s of the interrupt ({action.reason}; a rank blocked "
+                    f"in a collective never sees it)")
+            elif isinstance(action, lifecycle.SettleCell):
+                self._complete()
 
     def _complete(self) -> None:
         if self._grace is not None:
             self._grace.cancel()
-        if self._first_error is not None:
-            first = self._first_error
+        first_error = self._machine.first_error
+        if first_error is not None:
+            first = first_error
             others = sorted(r for r in self._errors if r != first)
-            msg = f"rank {first} of {self.np} failed: {self._first_what}"
+            kind, message = self._machine.errors[first]
+            msg = f"rank {first} of {self.np} failed: {kind}: {message}"
             if others:
                 msg += (f" (rank {others[0]} was interrupted after it)" if len(others) == 1
                         else f" (ranks {', '.join(map(str, others))} were interrupted after it)")
@@ -598,7 +614,7 @@ class SessionCell(Handle):
             self.end(DistributedError(msg, job_id=self.id, reason=Reason.FAILED, failures=failures))
         elif self._errors:
             self.end(DistributedError(
-                f"cell {self.id} was interrupted ({self._interrupted}) on ranks "
+                f"cell {self.id} was interrupted ({self._machine.interrupted}) on ranks "
                 f"{', '.join(map(str, sorted(self._errors)))}; session {self.session.id} is "
                 f"still running, its variables intact", job_id=self.id, reason=Reason.CANCELLED,
             ))
@@ -634,29 +650,12 @@ class SessionCell(Handle):
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""
-        if self.settled:
-            return
-        with self._lock:
-            again = self._interrupted is not None
-            if not again:
-                self._interrupted = reason
-            running = [r for r in self._ranks if r not in self._values and
-                       r not in self._errors]
-        if again:
-            return  # the grace timer below is already running
-        self.session.interrupt(self, running)
-        self._grace = after(INTERRUPT_GRACE_S, self._stuck, reason)
+        if not self.settled:
+            self._act(lifecycle.Cancel(reason, time.time()))
 
     def _stuck(self, reason: str) -> None:
-        if self.settled:
-            return
-        with self._lock:
-            running = [r for r in self._ranks if r not in self._values and
-                       r not in self._errors]
-        self.session._fail(
-            f"ranks {', '.join(map(str, running))} did not stop within {INTERRUPT_GRACE_S:g} s "
-            f"of the interrupt ({reason}; a rank blocked in a collective never sees it)"
-        )
+        if not self.settled:
+            self._act(lifecycle.GraceOver(time.time()))
 
     def wait(
         self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
