@@ -829,12 +829,16 @@ class Job(Handle):
             got = dict(answers)
         dumps: dict[int, str] = {}
         native: dict[int, str] = {}
+        packages: dict[int, str] = {}
         missing: dict[int, str] = {}
         for rank in live:
             answer = got.get(rank)
             text = answer.get("text") if answer is not None else None
             if isinstance(text, str) and text:
                 dumps[rank] = text
+                package = answer.get("package") if answer is not None else None
+                if isinstance(package, str) and package:
+                    packages[rank] = package
                 frames = answer.get("native") if answer is not None else None
                 if isinstance(frames, str) and frames:
                     native[rank] = frames
@@ -851,7 +855,7 @@ class Job(Handle):
             missing[rank] = why + ("; its last lines:\n" + "\n".join(tail) if tail else
                                    "; it printed nothing")
         return Stacks.from_dumps(job_id or self.state.id, dumps, missing,
-                                 time.monotonic() - started, native)
+                                 time.monotonic() - started, native, packages)
 
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled.

@@ -648,13 +648,15 @@ class NamesEvent(_RankMemory):
 class StacksEvent(TypedDict, total=False):
     """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
     ``faulthandler`` writes them (``text``), or why there are none (``error``); with their
-    native (C) frames where py-spy is installed on the rank's host (``native``)."""
+    native (C) frames where py-spy is installed on the rank's host (``native``), and the
+    folder nbdist is installed in there (``package``: its frames are left out)."""
 
     t: Literal["stacks"]
     id: int
     text: str
     error: str
     native: str
+    package: str
 
 
 class DebugEvent(TypedDict):
