@@ -122,6 +122,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+class _GroupsCheck:
+    """Fails the run where pytest-xdist did not put the groups in the tests' ids (pytest 9.2
+    with xdist 3.8 did not, and every worker started a Spark cluster of its own)."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's
+    def pytest_collection_modifyitems(self, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group")
+                and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} tests (such as "
+                                    f"{lost[0]}): see the pytest pin in pyproject.toml")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        config.pluginmanager.register(_GroupsCheck(), "nbdist-xdist-groups")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     release(item.session.items, nextitem)  # the tests that follow Spark's see no session
