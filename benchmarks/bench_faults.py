@@ -33,8 +33,8 @@ from nbdist.channel import free_port
 from nbdist.job import Job
 from nbdist.launch import local
 from nbdist.launch.backends import choose as choose_launcher
-from nbdist.launch.zygote import COMMAND
 from nbdist.protocol import CallPayload
+from nbdist.rank.zygote import COMMAND
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 5.0  # --timeout of the hang row

@@ -63,7 +63,7 @@ def timed_job() -> float:
 
 def executor_zygote(reps: int) -> dict[str, Any]:
     """Section 4: a zygote's fork before and after the attack, and a silent peer's cut."""
-    from nbdist.launch import executor_zygote as ez
+    from nbdist.rank import executor_zygote as ez
 
     directory = tempfile.mkdtemp(prefix="nbz", dir="/tmp")
     os.chmod(directory, 0o700)

@@ -277,7 +277,7 @@ def _fresh_kernel_child() -> None:
 def executor_zygotes() -> list[int]:
     import psutil
 
-    from nbdist.launch import executor_zygote
+    from nbdist.rank import executor_zygote
 
     found = []
     for proc in psutil.process_iter():

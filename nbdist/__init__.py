@@ -12,6 +12,12 @@ In a notebook::
 From Python: ``nbdist.run(fn, *args, np=2).result()``. On a rank: ``nbdist.progress``,
 ``nbdist.report``, and ``nbdist.shard`` for its part of a table. This module is imported on
 every rank, so it stays light: the engine and the magics load on first use.
+
+The exceptions and warnings (drawn as a tree in :mod:`nbdist.errors` and docs/magics.md)::
+
+    NbdistError (CaptureError, CapacityError, LaunchError, SessionError, ValuesDroppedError)
+    DistributedError (a RuntimeError: ranks failed, timed out or were cancelled)
+    CaptureWarning, OutputLostWarning, PullWarning (UserWarning)
 """
 
 from __future__ import annotations
@@ -19,7 +25,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, overload
 
 from nbdist._checkpoint import checkpoint_dir
-from nbdist.errors import CapacityError, CaptureError, DistributedError, LaunchError, NbdistError
+from nbdist._version import __version__ as __version__
+from nbdist.errors import (
+    CapacityError,
+    CaptureError,
+    CaptureWarning,
+    DistributedError,
+    LaunchError,
+    NbdistError,
+    OutputLostWarning,
+    PullWarning,
+    SessionError,
+    ValuesDroppedError,
+)
+from nbdist.handle import Handle
 from nbdist.rank.reporting import progress, report
 from nbdist.rank.shard import shard
 
@@ -27,14 +46,19 @@ if TYPE_CHECKING:
     from nbdist.elastic import ElasticJob
     from nbdist.job import Job
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CapacityError",
     "CaptureError",
+    "CaptureWarning",
     "DistributedError",
+    "Handle",
     "LaunchError",
     "NbdistError",
+    "OutputLostWarning",
+    "PullWarning",
+    "SessionError",
+    "ValuesDroppedError",
     "checkpoint_dir",
     "load_ipython_extension",
     "progress",
@@ -58,18 +82,30 @@ def run(fn: Any, *args: Any, **kwargs: Any) -> Job: ...
 
 
 def run(fn: Any, *args: Any, **kwargs: Any) -> Job | ElasticJob:
-    """Run ``fn`` on N ranks; see :func:`nbdist.job.run` for the parameters.
+    """Run ``fn(*args, **kwargs)`` on N ranks and return its job (a :class:`Job`).
 
-    ``max_restarts=K`` launches every rank again after a fault, up to K times (with
-    ``restart_on_error``, ``capacity_wait`` and ``checkpoint_dir``: :func:`nbdist.elastic.run`).
+    nbdist keeps these keywords for itself, one for each option of ``%%distributed``
+    (``nbdist.options.RUN_KEYWORDS``): ``np`` (ranks, default 2; negative: that many local
+    ranks even when Spark is active), ``backend``, ``gpu``, ``timeout``, ``env``, ``mlflow``,
+    ``log_dir`` (the fields of ``JobOptions``), and ``max_restarts``, ``restart_on_error``,
+    ``capacity_wait``, ``checkpoint_dir`` (those of ``Restarts``: any of them makes a job
+    that restarts, :func:`nbdist.elastic.run`). Every other keyword goes to ``fn``, whose
+    signature is checked against the arguments before launch: a keyword it does not take is
+    a TypeError naming the option of nbdist it is close to (``timout`` → ``timeout``). To
+    give ``fn`` an argument named like one of nbdist's, bind it with ``functools.partial``.
+    A bad option value is a ValueError naming it, before launch.
     """
-    if _ELASTIC & kwargs.keys():
+    from nbdist.options import RUN_KEYWORDS, check_call
+
+    ours = {k: kwargs.pop(k) for k in list(kwargs) if k in RUN_KEYWORDS}
+    check_call(fn, args, kwargs)
+    if _ELASTIC & ours.keys():
         from nbdist.elastic import run as _elastic_run
 
-        return _elastic_run(fn, *args, **kwargs)
+        return _elastic_run(fn, *args, **ours, **kwargs)
     from nbdist.job import run as _run
 
-    return _run(fn, *args, **kwargs)
+    return _run(fn, *args, **ours, **kwargs)
 
 
 _ELASTIC = frozenset({"max_restarts", "restart_on_error", "capacity_wait", "checkpoint_dir"})

@@ -31,34 +31,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist import _checkpoint, state, tracking
+from nbdist import _checkpoint, handle, state, tracking
 from nbdist import job as jobs
+from nbdist import settings as _settings
 from nbdist.capture import call_code
-from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason
+from nbdist.errors import CapacityError, DistributedError, LaunchError, Reason, launch_failed
 from nbdist.launch import backends
-from nbdist.options import JobOptions, Restarts
+from nbdist.options import JobOptions, options_from
 from nbdist.protocol import CallPayload, Payload, RankOutcome
 from nbdist.stacks import Stacks
 from nbdist.state import Attempt, ElasticState
 from nbdist.waiting import wait_loop
 
 #: How long a restart waits for the backend to have the slots again, by default (seconds).
-CAPACITY_WAIT_S = 300.0
+CAPACITY_WAIT_S = _settings.CAPACITY_WAIT_S
 #: How often the capacity is asked for while waiting.
 CAPACITY_POLL_S = 2.0
 
 
-@dataclass
-class Settings:
-    """The kernel's defaults for restarts (``%config DistMagics.<name>``), read at each start."""
-
-    #: Seconds a restart waits for the backend's slots (``--capacity-wait`` wins).
-    capacity_wait: float = CAPACITY_WAIT_S
-    #: Where jobs keep their checkpoint directories ("": under the working directory).
-    checkpoint_root: str = ""
-
-
-settings = Settings()
+#: The defaults of restarts live with every other knob (``nbdist.settings``).
+settings = _settings.settings
 
 
 # -- the judge ------------------------------------------------------------------------------------
@@ -161,7 +153,7 @@ def judge(end: AttemptEnd, *, restart_on_error: bool = False) -> Verdict:
 
 
 # -- the job --------------------------------------------------------------------------------------
-class ElasticJob(jobs.Handle):
+class ElasticJob(handle.Handle):
     """A job whose rank group is launched again after a fault, up to ``max_restarts`` times.
 
     Used like a :class:`~nbdist.job.Job` (``result()``, ``results``, ``cancel()``, ``wait()``,
@@ -184,8 +176,8 @@ class ElasticJob(jobs.Handle):
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, not {max_restarts}")
         launcher, self.np = backends.choose(np, options.backend)
-        self._new_launcher = _same_backend(launcher)
-        self.id = jobs.new_id()
+        self._new_launcher = backends.same_backend(launcher)
+        self.id = handle.new_id()
         self.label = label
         self.max_restarts = max_restarts
         self.restart_on_error = restarts.restart_on_error
@@ -218,7 +210,7 @@ class ElasticJob(jobs.Handle):
         cannot start them), list the job for ``%dist_status`` and watch it from a thread of
         its own, which starts the attempts after it. Returns the job."""
         self._current = self._attempt(1, self.launcher, "")
-        jobs.register(self)
+        handle.register(self)
         threading.Thread(target=self._supervise, daemon=True,
                          name=f"nbdist-restarts-{self.id}").start()
         return self
@@ -329,25 +321,22 @@ class ElasticJob(jobs.Handle):
                 continue  # cancelled: the loop says so
 
     def _end(self, error: BaseException | None) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error = error
         if error is None:
             final, reason = state.DONE, self._current.lost_output or ""
         elif getattr(error, "reason", "") == Reason.CANCELLED:
             final, reason = state.CANCELLED, str(error)
         else:
             final, reason = state.FAILED, str(error)
-        if self._mlflow is not None:
-            self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
-        if error is None and len(self._state.attempts) > 1:
-            self._state.set_note(f"done on attempt {len(self._state.attempts)} of "
-                                f"{self._state.total}")
-        self._state.close(final, reason)
-        self._done.set()
-        if self.retained_bytes():
-            jobs.retain(self)
+
+        def close() -> None:
+            if self._mlflow is not None:
+                self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
+            if error is None and len(self._state.attempts) > 1:
+                self._state.set_note(f"done on attempt {len(self._state.attempts)} of "
+                                     f"{self._state.total}")
+            self._state.close(final, reason)
+
+        self._settle(error, close)
 
     # -- errors -----------------------------------------------------------------------------
     def _attempts_text(self) -> str:
@@ -382,7 +371,7 @@ class ElasticJob(jobs.Handle):
             f"{self.np} ranks were stopped\n{self._attempts_text()}",
             job_id=self.id, reason=Reason.CANCELLED)
 
-    # -- what a job offers (jobs.Handle) ----------------------------------------------------
+    # -- what a job offers (handle.Handle) ----------------------------------------------------
     @property
     def attempts(self) -> list[Attempt]:
         with self._state.lock:
@@ -416,32 +405,17 @@ class ElasticJob(jobs.Handle):
         return wait_loop(self._done, timeout, tick, cancel=self.cancel,
                          teardown_s=jobs.TEARDOWN_S)
 
-    def _holder(self) -> jobs.Handle:
+    def _holder(self) -> handle.Handle:
         """The values are the last attempt's (the one that succeeded, if any did)."""
         return self._current
 
-    def stacks(self, timeout: float = jobs.STACKS_WAIT_S) -> Stacks:
+    def stacks(self, timeout: float = handle.STACKS_WAIT_S) -> Stacks:
         """The stacks of the current attempt's ranks (``%dist_stacks``)."""
         return self._current.stacks(timeout, job_id=self.id)
 
     def __repr__(self) -> str:
         return (f"<nbdist job {self.id}: {self.np} ranks on {self.state.backend}, "
                 f"{self.state.status}, attempt {len(self._state.attempts)} of {self._state.total}>")
-
-
-def _same_backend(launcher: Any) -> Callable[[], Any]:
-    """How to make a launcher like ``launcher`` again, from any thread.
-
-    The active SparkSession is the calling thread's: it is taken now, in the thread that
-    started the job, since restarts are launched from a thread of the job's own.
-    """
-    if launcher.name == "spark":
-        from nbdist.launch.spark import SparkLauncher, active_session
-
-        session = active_session()
-        return lambda: SparkLauncher(session)
-    kind = type(launcher)
-    return lambda: kind()
 
 
 def _first_line(error: BaseException) -> str:
@@ -455,7 +429,6 @@ def start(payload: Payload, np: int, options: JobOptions | None = None) -> jobs.
     ``checkpoint_dir`` alone (no restarts) only sets ``nbdist.checkpoint_dir()`` on the ranks.
     """
     options = JobOptions() if options is None else options
-    options.check()
     folder = options.restarts.checkpoint_dir
     if not options.restarts.max_restarts:
         if folder is not None:
@@ -477,7 +450,7 @@ def _elastic(payload: Payload, np: int, options: JobOptions) -> ElasticJob:
     try:
         return ElasticJob(payload, np, options).start()
     except OSError as exc:
-        raise LaunchError(f"could not start the ranks: {exc}") from exc
+        raise launch_failed(np, options.backend, exc) from exc
 
 
 def run(
@@ -493,6 +466,7 @@ def run(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     mlflow: bool = False,
+    log_dir: str | None = None,
     **kwargs: Any,
 ) -> ElasticJob:
     """:func:`nbdist.job.run` with restarts (``nbdist.run(..., max_restarts=K)``).
@@ -514,12 +488,11 @@ def run(
     ElasticJob
         Used as a :class:`~nbdist.job.Job`; ``.attempts`` lists the attempts.
     """
-    options = JobOptions(
-        backend=backend, gpu=gpu, timeout=timeout, env=dict(env or {}),
-        label=getattr(fn, "__name__", "fn"), mlflow=mlflow,
-        restarts=Restarts(max_restarts=max_restarts, restart_on_error=restart_on_error,
-                          capacity_wait=capacity_wait, checkpoint_dir=checkpoint_dir))
-    options.check()
+    options = options_from(
+        getattr(fn, "__name__", "fn"), backend=backend, gpu=gpu, timeout=timeout, env=env,
+        mlflow=mlflow, log_dir=log_dir, max_restarts=max_restarts,
+        restart_on_error=restart_on_error, capacity_wait=capacity_wait,
+        checkpoint_dir=checkpoint_dir)
     payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
                             "args": args, "kwargs": kwargs}
     return _elastic(payload, np, options)

@@ -25,6 +25,7 @@ This module is imported on ranks: standard library only.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Mapping
 from enum import Enum
 
@@ -61,7 +62,8 @@ class CellSyntaxError(SyntaxError):
 
 
 class ValuesDroppedError(_MessageOnly, NbdistError):
-    """A finished job's values were let go to bound the kernel's memory (``job.HISTORY_BYTES``)."""
+    """A finished job's values were let go to bound the kernel's memory (``settings.history_mb``).
+    """
 
 
 class CaptureWarning(UserWarning):
@@ -88,6 +90,34 @@ class SessionError(_MessageOnly, NbdistError):
 
 class LaunchError(NbdistError):
     """A backend could not start the ranks."""
+
+
+#: What to do about the operating system's usual refusals to start processes.
+_LAUNCH_FIXES = {
+    errno.EAGAIN: "the machine refused more processes: check the process limit (ulimit -u) "
+                  "and free memory, or run fewer ranks",
+    errno.ENOMEM: "the machine is out of memory: free some (a kernel's large values, another "
+                  "notebook) or run fewer ranks",
+    errno.EMFILE: "this kernel has too many files open: raise the limit (ulimit -n) or close "
+                  "what the notebook keeps open, then restart the kernel",
+    errno.ENFILE: "the machine has too many files open: close some, then run the cell again",
+    errno.ENOSPC: "a disk is full (the temporary folder, or --log-dir): free some space",
+    errno.EACCES: "permission denied: check who owns the path and its mode",
+    errno.EPERM: "not permitted: check who owns the path and its mode",
+}
+
+
+def launch_failed(np: int, where: str, exc: OSError) -> LaunchError:
+    """The :class:`LaunchError` for an ``OSError`` met while starting ``np`` ranks on the
+    backend ``where``: what failed, on which path, and what to do about it."""
+    code = errno.errorcode.get(exc.errno or 0, "")
+    what = f"{exc.strerror or exc}" + (f" ({code})" if code else "")
+    if exc.filename is not None:
+        what += f": {exc.filename!r}"
+    fix = _LAUNCH_FIXES.get(exc.errno or 0, "an error of the operating system; fix it and "
+                            "run the cell again (%dist_status lists what is still running)")
+    backend = "its backend" if where == "auto" else f"the {where} backend"
+    return LaunchError(f"could not start the {abs(np)} ranks on {backend}: {what}. {fix}")
 
 
 class Reason(str, Enum):

@@ -1,22 +1,8 @@
 """The rank → driver event channel.
 
-A small authenticated JSON-lines protocol over TCP; nothing on it is ever unpickled.
-
-1. The server sends ``{"t": "challenge", "nonce": HEX, "v": 3}``.
-2. The client answers ``{"t": "hello", "job": ID, "rank": R, "mac": HMAC, ...}`` where HMAC is
-   HMAC-SHA256 of ``"{nonce}:{job}:{rank}"`` keyed by the job's secret. The secret travels with
-   the payload (pipe or Spark closure), never on this channel; the nonce makes a recorded hello
-   useless on another connection. A connection that does not prove the secret within
-   ``AUTH_DEADLINE_S``, in at most ``MAX_HELLO_BYTES``, is closed and counted in
-   :attr:`EventServer.rejected`; so is one that breaks any rule of the protocol, whatever it
-   sent: handling one connection never stops the server.
-3. Then both sides send one JSON value per line: an event object, or (rank → driver) an
-   array of event objects sent together. Rank → driver: output batches,
-   progress, metrics, state changes, heartbeats. Driver → rank: the rendezvous answer
-   (``world``), ``cancel``, and ``ping`` (a remote job's keepalive; see ``nbdist.job``).
-4. An event (alone on its line) with ``"raw": N`` is followed by N
-   raw bytes (at most ``MAX_BLOCK_BYTES``), handed to the job as the event's ``data``: how a
-   session cell's value travels in pieces without base64 or JSON (``nbdist.values``).
+A small authenticated JSON-lines protocol over TCP, nothing on it ever unpickled: the challenge,
+the signed hello, the JSON values and the raw blocks are described once, in ``nbdist.channel``
+(what both ends agree on).
 
 The driver pays per write it reads (a wake-up, a read, a parse), far more than per event in
 it, so clients coalesce. An event after a quiet spell goes at once; what follows goes in the

@@ -9,31 +9,47 @@ views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) u
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import pickle
 import queue
 import secrets
 import threading
 import time
-import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from nbdist import _pickling, blame, channel, events, launch, logfiles, state, timeline, tracking
+from nbdist import (
+    _pickling,
+    channel,
+    endings,
+    events,
+    launch,
+    lifecycle,
+    logfiles,
+    state,
+    timeline,
+    tracking,
+)
 from nbdist._timer import after
 from nbdist.capture import call_code
+from nbdist.endings import unreachable_hint as unreachable_hint
 from nbdist.errors import (
     DistributedError,
     LaunchError,
-    OutputLostWarning,
     Reason,
-    ValuesDroppedError,
+    launch_failed,
 )
+from nbdist.handle import STACKS_WAIT_S as STACKS_WAIT_S
+from nbdist.handle import Handle as Handle
+from nbdist.handle import dropped_error as dropped_error
+from nbdist.handle import get_job as get_job
+from nbdist.handle import jobs as jobs
+from nbdist.handle import new_id as new_id
+from nbdist.handle import register as register
+from nbdist.handle import retain as retain
 from nbdist.launch import Launcher, backends
 from nbdist.launch.payload import payload_env, payload_modules
-from nbdist.options import JobOptions
+from nbdist.options import JobOptions, options_from
 from nbdist.protocol import (
     CallPayload,
     DriverEvent,
@@ -42,17 +58,11 @@ from nbdist.protocol import (
     RankOutcome,
     RankStatus,
 )
+from nbdist.settings import settings
 from nbdist.stacks import Stacks, rank_ranges
 from nbdist.waiting import wait_loop
 from nbdist.world import Hello, plan_world
 
-#: Finished jobs kept for %dist_status; older ones are forgotten.
-HISTORY = 50
-#: What finished jobs keep of their values (``.result()``, ``.results``), in bytes of pickled
-#: size, in all: the values of the job that ended last are always kept; an older job's are let
-#: go once the jobs after it hold more than this. Such a job stays in %dist_status, and its
-#: ``.result()`` raises :class:`~nbdist.errors.ValuesDroppedError` saying how to keep a value.
-HISTORY_BYTES = 256 * 2**20
 #: How long a cancel may take before the job is declared over anyway.
 TEARDOWN_S = 15.0
 #: How long a finished job waits for its ranks' event channels to drain (their last lines).
@@ -60,8 +70,6 @@ DRAIN_S = 10.0
 #: How often the driver pings the ranks of a remote job (they stop when they hear nothing
 #: for their heartbeat timeout) and looks for ranks it has not heard of itself.
 PING_S = state.HEARTBEAT_S
-#: How long ``stacks()`` waits for the ranks' answers (a supervisor gives a dump 2 s).
-STACKS_WAIT_S = 3.0
 #: Lines of a rank's output shown for a rank that gave no stacks.
 STACKS_TAIL_LINES = 5
 #: What a rank's pdb asks with; the notebook's prompt says which rank asks.
@@ -73,190 +81,6 @@ FORENSICS_S = 2.5
 _FOLDED = frozenset({"out", "progress", "metrics", "res", "hb"})
 
 log = logging.getLogger(__name__)
-_ids = itertools.count(1)
-
-
-class Forensics:
-    """When the driver takes the ranks' stacks on its own (``%config DistMagics.<name>``)."""
-
-    #: Take them once when a running rank printed nothing for this many seconds (None: never).
-    stacks_when_quiet: float | None = None
-
-
-#: Set by the magics' traits; read at every job's start.
-forensics = Forensics()
-
-
-def new_id(prefix: str = "j") -> str:
-    """A job id not used before in this kernel (``j1``, ``j2``, ...)."""
-    return f"{prefix}{next(_ids)}"
-
-class Handle:
-    """What the magics and views use of work on ranks: a :class:`Job`, a session's cell
-    (``session.SessionCell``) or a job that restarts (``elastic.ElasticJob``), in the mould of
-    :class:`concurrent.futures.Future`: :meth:`done`, :meth:`wait`, :meth:`result`,
-    :meth:`exception`, :meth:`cancel`.
-
-    What the work gave back is kept here and read here, once for all three: the error it ended
-    with, every rank's value and their pickled size, whether the values were let go
-    (``HISTORY_BYTES``), what output never reached the notebook. A subclass writes them as its
-    work ends, then sets ``_done``; it says how to wait (:meth:`wait`: the one wait loop,
-    ``nbdist.waiting``) and to cancel (:meth:`cancel`). Where another handle holds the values
-    (a job that restarts: its last attempt), the subclass names it with the one override hook,
-    :meth:`_holder`.
-    """
-
-    id: str
-    np: int
-    state: state.JobState
-    #: What the messages call it ("job", "cell").
-    noun = "job"
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._values: dict[int, Any] = {}  # rank → value, once the work is over
-        self._size = 0  # pickled size of _values
-        self._dropped = False
-        self._lost: str | None = None  # what output never reached the notebook, in words
-        self._warned = False
-        self._values_lock = threading.Lock()
-
-    # -- what a subclass says ------------------------------------------------------------------
-    def wait(
-        self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
-    ) -> bool:
-        """Block until the work is over (True) or ``timeout`` passed (False); ``on_tick`` is
-        called about ten times a second meanwhile (views render there)."""
-        raise NotImplementedError
-
-    def cancel(self, reason: str = "cancelled by the user") -> None:
-        """Stop the work on every rank; it ends as cancelled."""
-        raise NotImplementedError
-
-    def _holder(self) -> Handle:
-        """The handle that holds the values (this one, or a job's last attempt)."""
-        return self
-
-    # -- written once --------------------------------------------------------------------------
-    def done(self) -> bool:
-        """True once every rank has ended and the outcome is known."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Rank 0's value; raises :class:`DistributedError` if the work failed, and
-        TimeoutError if it still runs after ``timeout`` seconds."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"{self.noun} {self.id} is still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        holder = self._holder()
-        if holder is not self:
-            return holder.result()
-        if self._dropped:
-            raise dropped_error(self.id)
-        if self._lost is not None and not self._warned:
-            self._warned = True
-            warnings.warn(self._lost, OutputLostWarning, stacklevel=2)
-        return self._values.get(0)
-
-    @property
-    def results(self) -> list[Any]:
-        """Every rank's value, index = rank (waits for the work)."""
-        self.result()
-        holder = self._holder()
-        return [holder._values.get(r) for r in range(holder.np)]
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The error the work ended with (None: it succeeded), once it is over."""
-        if not self.wait(timeout):
-            raise TimeoutError(f"{self.noun} {self.id} is still running after {timeout} s")
-        return self._error
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error the work ended with; None while it runs and when it succeeded."""
-        return self._error
-
-    @property
-    def lost_output(self) -> str | None:
-        """What the ranks printed or reported that never reached the notebook, in words."""
-        holder = self._holder()
-        return self._lost if holder is self else holder.lost_output
-
-    def retained_bytes(self) -> int:
-        """Pickled size of the values it holds (0 when it holds none)."""
-        holder = self._holder()
-        if holder is self:
-            return self._size
-        # Nothing until the work is over: the holder's own end counts its values then.
-        return holder.retained_bytes() if self._done.is_set() else 0
-
-    def stacks(self, timeout: float = STACKS_WAIT_S) -> Stacks:
-        """Every live rank's stacks, grouped (``%dist_stacks``)."""
-        raise NotImplementedError
-
-    def drop_values(self) -> None:
-        """Let its values go (see ``HISTORY_BYTES``): ``result()`` then says so."""
-        holder = self._holder()
-        if holder is not self:
-            holder.drop_values()
-            return
-        with self._values_lock:
-            self._dropped = True
-            self._values, self._size = {}, 0
-        self.state.values_dropped = True
-
-
-_jobs: OrderedDict[str, Handle] = OrderedDict()
-_jobs_lock = threading.Lock()
-
-
-def register(job: Handle) -> None:
-    """Add a job to this kernel's list (``%dist_status``), forgetting the oldest ones."""
-    with _jobs_lock:
-        _jobs[job.id] = job
-        while len(_jobs) > HISTORY:
-            _jobs.popitem(last=False)
-
-
-def retain(newest: Handle) -> None:
-    """``newest`` holds its values now: let go of those of jobs that ended before it, once
-    they and the jobs that ended after them hold more than ``HISTORY_BYTES``."""
-    with _jobs_lock:
-        older = [j for j in _jobs.values() if j is not newest and j.retained_bytes()]
-    older.sort(key=lambda j: j.state.ended or 0.0, reverse=True)  # the last to end first
-    total = newest.retained_bytes()
-    for job in older:
-        total += job.retained_bytes()
-        if total > HISTORY_BYTES:
-            job.drop_values()
-
-
-def dropped_error(job_id: str) -> ValuesDroppedError:
-    """What ``.result()`` says of a job whose values were let go."""
-    return ValuesDroppedError(
-        f"job {job_id}'s values were let go to bound the kernel's memory: the jobs after it "
-        f"hold more than {HISTORY_BYTES / 2**20:g} MiB of values (nbdist.job.HISTORY_BYTES). "
-        f"To keep a value, take it when the job ends (x = job.result(), or %%distributed "
-        f"-o VAR for every rank's), or raise nbdist.job.HISTORY_BYTES."
-    )
-
-
-def jobs() -> list[Handle]:
-    """This kernel's jobs, oldest first (the last ``HISTORY`` of them)."""
-    with _jobs_lock:
-        return list(_jobs.values())
-
-
-def get_job(job_id: str | None = None) -> Handle | None:
-    """A job by id; without an id the newest job still running, else the newest."""
-    all_jobs = jobs()
-    if job_id is not None:
-        return next((j for j in all_jobs if j.id == job_id), None)
-    running = [j for j in all_jobs if not j.done()]
-    candidates = running or all_jobs
-    return candidates[-1] if candidates else None
 
 
 def default_gpu(launcher: Launcher) -> bool:
@@ -317,6 +141,7 @@ class Job(Handle):
         session = owner is not None
         self._owner = owner
         self._payload = payload
+        self._payload_bytes = 0  # what the payload pickled to (Job.start)
         self.id = new_id("s" if session else "j")
         self.label = options.label
         self.np = np
@@ -330,7 +155,8 @@ class Job(Handle):
             self.id, launcher.name, np)
         self.run_id = secrets.token_hex(8)
         # Every line of every rank, in a file per rank (an attempt appends to its job's).
-        self._logs = logfiles.RankLogs(options.log_dir or logfiles.default_dir(self.state.id))
+        # Written by a thread of the job's own, never the event server's (``logfiles``).
+        self._logs = logfiles.for_job(self.state.id, options.log_dir, self.state.set_log_error)
         self.state.log_dir = self._logs.folder
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
@@ -348,9 +174,10 @@ class Job(Handle):
         # its output through the event channel: the job only ends once every channel has
         # been read to its end, or the last lines a rank printed would be lost.
         self._open: dict[int, int] = {}
-        self._outcomes: dict[int, RankOutcome] = {}
-        self._first_failure: int | None = None
-        self._cancel_reason: str | None = None
+        # The job's life (``lifecycle``): what happened and what to do about it is decided
+        # there, under ``_lock``; this class carries the actions out.
+        self._machine = lifecycle.JobMachine(np, owned=session)
+        self._outcomes = self._machine.outcomes
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._stacks_in = threading.Condition(self._lock)  # answers to stacks requests
@@ -362,7 +189,7 @@ class Job(Handle):
         self._started = time.monotonic()
         #: Ranks the driver stopped hearing from while their connection stayed open (a host
         #: or network cut off), by host: they are what the job's error names.
-        self._unheard: dict[int, str] = {}
+        self._unheard = self._machine.unheard
         self._heartbeat = launch.heartbeat_timeout() if launcher.remote else None
         self._timer: threading.Timer | None = None
 
@@ -379,6 +206,7 @@ class Job(Handle):
         launcher.check(np, self.gpu)
         # A session's ranks start without a payload: its cells follow on the event channel.
         body = b"" if payload is None else _pickling.dumps(payload)
+        self._payload_bytes = len(body)
         self.address = launcher.driver_address()
         self._server = _server(self.address)
         self._server.add_job(self.id, self._secret, self)
@@ -402,7 +230,7 @@ class Job(Handle):
             raise
         if timeout is not None:
             self._timer = after(timeout, self._on_timeout)
-        quiet = forensics.stacks_when_quiet
+        quiet = settings.stacks_when_quiet
         if quiet and not session:
             threading.Thread(target=self._watch_quiet, args=(quiet,), daemon=True,
                              name=f"nbdist-quiet-{self.id}").start()
@@ -418,22 +246,52 @@ class Job(Handle):
         with self._lock:
             self._open[rank] = self._open.get(rank, 0) + 1
             self._hellos[rank] = h
-            reason = self._cancel_reason
-            if reason is None and len(self._hellos) < self.np:
-                return
-            hellos = dict(self._hellos)
-        if reason is not None:
+        self._act(lifecycle.Hello(rank, time.time()))
+
+    def _act(self, stimulus: lifecycle.Stimulus) -> None:
+        """Hand the machine a stimulus, then carry out what it says (outside the lock)."""
+        with self._lock:
+            actions = self._machine.handle(stimulus)
+        for action in actions:
+            self._do(action)
+
+    def _do(self, action: lifecycle.Action) -> None:  # noqa: C901 - one branch per action
+        if isinstance(action, lifecycle.SendWorld):
+            self._send_world()
+        elif isinstance(action, lifecycle.Refuse):
             # A rank that connects after the cancel (a Spark task that started late) must not
             # get the rendezvous and run the user's code: stop it instead.
-            self.send(rank, {"t": "cancel", "reason": reason})
-            return
+            self.send(action.rank, {"t": "cancel", "reason": action.reason})
+        elif isinstance(action, lifecycle.TakeStacks):
+            try:
+                self._take_forensics()
+            finally:  # a second interrupt while the stacks come in still stops the ranks
+                self._act(lifecycle.StacksTaken(time.time()))
+        elif isinstance(action, lifecycle.StopRanks):
+            for rank in range(self.np):
+                self.send(rank, {"t": "cancel", "reason": action.reason})
+            self.launcher.cancel()
+        elif isinstance(action, lifecycle.Fail):
+            assert self._owner is not None
+            self._owner.on_failure(self, action.reason)
+        elif isinstance(action, lifecycle.MarkFailed):
+            for rank in action.ranks:
+                self.state.set_rank(rank, state.FAILED)
+        elif isinstance(action, lifecycle.Drain):
+            with self._lock:
+                self._drained.wait_for(self._all_drained, DRAIN_S)
+            self._finish()
+
+    def _send_world(self) -> None:
+        with self._lock:
+            hellos = dict(self._hellos)
         try:
             envs = plan_world(
                 hellos, self.np, self.run_id, self.id, use_gpus=self.gpu,
                 user_env={**self._env, **self._world_env},
             )
         except ValueError as exc:
-            self._fail_all(f"the rendezvous failed: {exc}")
+            self._act(lifecycle.WorldFailed(str(exc), time.time()))
             return
         for rank_, env in envs.items():
             self.send(rank_, {"t": "world", "env": env})
@@ -460,12 +318,7 @@ class Job(Handle):
         if event.get("t") == "state" and event.get("state") == "failed":
             # The supervisor's last word before its outcome. A backend may hand outcomes over
             # only once every rank has ended (Spark's collect()): stop the others now.
-            with self._lock:
-                first = self._first_failure is None and self._cancel_reason is None
-                if first:
-                    self._first_failure = rank
-            if first:
-                self._cancel(f"rank {rank} failed")
+            self._act(lifecycle.RankFailing(rank, time.time()))
 
     def on_events(self, rank: int, events: list[channel.Event]) -> None:
         """The events of one write (``events.JobChannel``): those that only feed the state,
@@ -537,13 +390,7 @@ class Job(Handle):
             }
 
     def _lose(self, lost: dict[int, str], timeout: float) -> None:
-        with self._lock:
-            if self._cancel_reason is not None:
-                return  # ending anyway: the ranks were told to stop before they went silent
-            self._unheard.update(lost)
-        for rank in lost:
-            self.state.set_rank(rank, state.FAILED)
-        self._fail_all(f"{_on_hosts(lost)} not heard from for {timeout:g} s")
+        self._act(lifecycle.Silent(lost, timeout, time.time()))
 
     # -- outcomes ---------------------------------------------------------------------------
     def _on_outcome(self, outcome: RankOutcome) -> None:
@@ -573,18 +420,7 @@ class Job(Handle):
         if outcome.status == RankStatus.FAILED or outcome.peak_rss:
             self.state.set_end(outcome.rank, outcome.how() if outcome.status ==
                                RankStatus.FAILED else "", outcome.peak_rss)
-        with self._lock:
-            self._outcomes[outcome.rank] = outcome
-            first = outcome.status == RankStatus.FAILED and self._first_failure is None
-            if first:
-                self._first_failure = outcome.rank
-            complete = len(self._outcomes) == self.np
-        if first and not complete:
-            self._cancel(f"rank {outcome.rank} failed")
-        if complete:
-            with self._lock:
-                self._drained.wait_for(self._all_drained, DRAIN_S)
-            self._finish()
+        self._act(lifecycle.Outcome(outcome, time.time()))
 
     def _all_drained(self) -> bool:
         """Every connection that can still deliver has closed (called with the lock held).
@@ -601,22 +437,15 @@ class Job(Handle):
                 return False
         return True
 
-    def _fail_all(self, reason: str) -> None:
-        if self._owner is not None:
-            self._owner.on_failure(self, reason)
-        else:
-            self._cancel(reason)
-
     def _on_timeout(self) -> None:
-        if not self._done.is_set():
-            self._take_forensics()
-            self._cancel(f"timed out after {self.timeout:g} s", timeout=True)
+        if not self._done.is_set() and self.timeout is not None:
+            self._act(lifecycle.Timeout(self.timeout, time.time()))
 
     def _watch_quiet(self, seconds: float) -> None:
         """Take the stacks once, when a running rank printed nothing for ``seconds``."""
         while not self._done.wait(min(1.0, seconds / 4)):
             quiet = self.state.quiet_ranks(seconds)
-            if not quiet or self._cancel_reason is not None:
+            if not quiet or self._machine.cancel_reason is not None:
                 continue
             taken = self.stacks(FORENSICS_S)
             if taken.groups and not self.state.forensics:
@@ -629,9 +458,9 @@ class Job(Handle):
         """Before stopping a running job: where each rank is, for the error and the views
         (bounded by ``FORENSICS_S``)."""
         with self._lock:
-            if self._cancel_reason is not None or self._forensics is not None:
+            if self._forensics is not None:
                 return
-            running = [r for r in range(self.np) if r not in self._outcomes]
+            running = self._machine.running
         if not running:
             return
         try:
@@ -642,63 +471,59 @@ class Job(Handle):
             self._forensics = taken.text()
             self.state.set_forensics(self._forensics)
 
-    def _cancel(self, reason: str, *, timeout: bool = False) -> None:
-        with self._lock:
-            if self._cancel_reason is not None:
-                return
-            self._cancel_reason = reason
-            self._timed_out = timeout
-            self._running_at_cancel = [
-                r for r in range(self.np) if r not in self._outcomes
-            ]
-        for rank in range(self.np):
-            self.send(rank, {"t": "cancel", "reason": reason})
-        self.launcher.cancel()
-
     def _finish(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self._server.remove_job(self.id)
         self._logs.close()
+        if self._payload_bytes >= TRIM_AFTER_BYTES:
+            _trim_heap()
         outcomes = [self._outcomes[r] for r in range(self.np)]
         failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
-        if self._unheard:
-            error = self._unheard_error()
-        elif getattr(self, "_timed_out", False):
-            error = self._timeout_error()
-        elif failed:
-            error = self._failure_error(failed)
-        elif any(o.status == RankStatus.CANCELLED for o in outcomes):
+        end = self._machine.verdict()
+        if end is lifecycle.End.LOST:
+            error = endings.unheard_error(self.id, self._unheard, self._outcomes, self.state.ranks,
+                                          self._heartbeat or 0.0)
+        elif end is lifecycle.End.TIMEOUT:
+            error = endings.timeout_error(self.id, self.timeout or 0.0,
+                                          self._machine.running_at_cancel, self.state.ranks,
+                                          self._forensics or "")
+        elif end is lifecycle.End.FAILED:
+            error = endings.failure_error(self.id, self.np, failed, self._outcomes,
+                                          self._machine.first_failure)
+        elif end is lifecycle.End.CANCELLED:
             error = DistributedError(
-                f"job {self.id} was cancelled ({self._cancel_reason}); all {self.np} ranks "
+                f"job {self.id} was cancelled ({self._machine.cancel_reason}); all {self.np} ranks "
                 f"were stopped", job_id=self.id, reason=Reason.CANCELLED,
                 stacks=self._forensics or "",
             )
+        values: dict[int, Any] | None = None
+        size: int | None = None
         if error is None:
             try:
-                self._values = {o.rank: self._load(o) for o in outcomes}
+                values = {o.rank: self._load(o) for o in outcomes}
             except DistributedError as exc:
                 error = exc
             else:
-                self._size = sum(len(o.result or b"") for o in outcomes)
+                size = sum(len(o.result or b"") for o in outcomes)
         for o in outcomes:
             o.result = None  # the values are kept, not their pickles too
-        self._lost = _lost_output(outcomes, self.address)
-        if self._lost is not None and isinstance(error, DistributedError):
-            error = DistributedError(f"{error}\n{self._lost}", job_id=self.id,
+        lost = endings.lost_output(outcomes, self.address)
+        if lost is not None and isinstance(error, DistributedError):
+            error = DistributedError(f"{error}\n{lost}", job_id=self.id,
                                      reason=error.reason, failures=error.failures,
                                      stacks=error.stacks)
-        self._error = error
         final = state.DONE if error is None else (
             state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else state.FAILED
         )
-        if self._mlflow is not None:
-            self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
-        self.state.finish(final, str(error) if error is not None else self._lost or "")
-        self._done.set()
-        if self._size:
-            retain(self)
+
+        def close() -> None:
+            if self._mlflow is not None:
+                self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
+            self.state.finish(final, str(error) if error is not None else lost or "")
+
+        self._settle(error, close, values=values, size=size, lost=lost)
         if self._owner is not None:
             self._owner.on_finish(self)
 
@@ -714,80 +539,6 @@ class Job(Handle):
                 job_id=self.id, reason=Reason.FAILED, failures={outcome.rank: str(exc)},
             ) from None
 
-    def _failure_error(self, failed: list[RankOutcome]) -> DistributedError:
-        # The cause, not its consequences: a rank killed by a signal, or whose error is not a
-        # collective's lost peer, over the first one heard (on a busy machine a peer's
-        # "Connection closed by peer" can reach the driver first; without the channel nothing
-        # is heard and Spark hands the outcomes over in rank order).
-        root = blame.root_cause(failed, self._first_failure)
-        ordered = sorted(failed, key=lambda o: (o.rank != root, o.rank))
-        first = ordered[0]
-        what = (
-            f"{first.error.get('type')}: {first.error.get('message')}"
-            if first.error else first.describe().splitlines()[0]
-        )
-        others = [o.rank for o in ordered[1:]]
-        lost = next((o for o in ordered if o.lost_host is not None), None)
-        if lost is not None and lost.lost_host is not None:
-            # Not "rank 2 failed ... nbdist stopped 1, 3": the host went, with all its ranks.
-            gone = sorted(o.rank for o in ordered if o.lost_host == lost.lost_host)
-            why = str(lost.error.get("message", "")) if lost.error is not None else ""
-            why = why.removeprefix(f"its Spark executor on {lost.lost_host} was lost: ")
-            msg = (f"the Spark executor on {lost.lost_host} was lost, and with it "
-                   f"{_ranks(gone)} of {self.np}: {why}")
-            others = [o.rank for o in ordered if o.rank not in gone]
-            if others:
-                msg += f" (ranks {', '.join(map(str, others))} failed too)"
-        else:
-            msg = f"rank {first.rank} of {self.np} failed: {what}"
-            if others:
-                msg += f" (ranks {', '.join(map(str, others))} failed after it)"
-        stopped = [o.rank for o in self._outcomes.values() if o.status == RankStatus.CANCELLED]
-        if stopped:
-            msg += f"; nbdist stopped ranks {', '.join(map(str, sorted(stopped)))}"
-        return DistributedError(
-            msg, job_id=self.id, reason=Reason.FAILED,
-            failures={o.rank: o.describe() for o in ordered},
-        )
-
-    def _unheard_error(self) -> DistributedError:
-        timeout = self._heartbeat or 0.0
-        failures = {}
-        for rank, host in sorted(self._unheard.items()):
-            r = self.state.ranks[rank]
-            since = time.strftime("%H:%M:%S", time.localtime(r.last_seen or 0))
-            tail = "".join(f"    {line.text}\n" for line in list(r.log)[-10:])
-            failures[rank] = (f"rank {rank} on {host} was last heard from at {since}"
-                              + (f"; its last output:\n{tail}" if tail else "\n"))
-        stopped = sorted(o.rank for o in self._outcomes.values()
-                         if o.rank not in self._unheard)
-        msg = (
-            f"job {self.id} lost {_on_hosts(self._unheard)}: not heard from for {timeout:g} s "
-            f"while connected. That host, or the network between it and the driver, is gone "
-            f"(the heartbeat timeout is %config DistMagics.heartbeat_timeout or "
-            f"NBDIST_HEARTBEAT_TIMEOUT); its ranks stop on their own when they stop hearing "
-            f"from the driver"
-        )
-        if stopped:
-            msg += f"; nbdist stopped ranks {', '.join(map(str, stopped))}"
-        return DistributedError(msg, job_id=self.id, reason=Reason.FAILED, failures=failures)
-
-    def _timeout_error(self) -> DistributedError:
-        running = getattr(self, "_running_at_cancel", [])
-        failures = {}
-        for rank in running:
-            r = self.state.ranks[rank]
-            tail = [line.text for line in list(r.log)[-10:]]
-            failures[rank] = "still running; its last output:\n" + "".join(
-                f"    {t}\n" for t in tail
-            ) if tail else "still running; it printed nothing\n"
-        return DistributedError(
-            f"job {self.id} timed out after {self.timeout:g} s (--timeout); ranks still "
-            f"running: {', '.join(map(str, running)) or 'none'}; all ranks were stopped",
-            job_id=self.id, reason=Reason.TIMEOUT, failures=failures,
-            stacks=self._forensics or "",
-        )
-
     # -- public -----------------------------------------------------------------------------
     @property
     def secret(self) -> str:
@@ -797,7 +548,7 @@ class Job(Handle):
     @property
     def cancel_reason(self) -> str | None:
         """Why the job was cancelled (by the user, a failure, a timeout), or None."""
-        return self._cancel_reason
+        return self._machine.cancel_reason
 
     def send(self, rank: int, event: DriverEvent, direct: bool = False) -> bool:
         """Send ``event`` to ``rank`` on the event channel; False if it is not connected.
@@ -863,12 +614,8 @@ class Job(Handle):
         The stacks of the ranks still running are taken first (at most ``FORENSICS_S``) and
         kept with the job's error and state: where a hung job hung.
         """
-        if not self._done.is_set():
-            try:
-                if self._owner is None:  # a session's ranks between cells hang nowhere
-                    self._take_forensics()
-            finally:  # a second interrupt while the stacks come in still cancels
-                self._cancel(reason)
+        if not self._done.is_set():  # a session's ranks between cells: no stacks (lifecycle)
+            self._act(lifecycle.Cancel(reason, time.time()))
 
     def wait(
         self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
@@ -907,8 +654,16 @@ class Job(Handle):
                 print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
             try:
                 line = input(f"[rank {rank}] {PDB_PROMPT}")
-            except EOFError:  # no input box: let the rank go on
+            except (EOFError, NotImplementedError) as exc:
+                # No input box: an end of input (a terminal's ^D, a closed stdin), or a
+                # frontend without stdin (nbclient, papermill: ipykernel's input() raises
+                # StdinNotImplementedError, a NotImplementedError). Raised from here it would
+                # leave the rank in pdb and the job (or the session's cell) running until its
+                # timeout; the documented answer is ``c``, said where the cell's output goes.
                 line = "c"
+                print(f"[rank {rank}] no input box to ask "
+                      f"({'no stdin' if isinstance(exc, NotImplementedError) else 'end of input'}"
+                      f"): answered c (continue)", flush=True)
             if not self._done.is_set():
                 self.send(rank, {"t": "debug", "text": line})
 
@@ -929,34 +684,6 @@ class Job(Handle):
         return f"<nbdist job {self.id}: {where}, {self.state.status}>"
 
 
-def _lost_output(outcomes: list[RankOutcome], address: events.DriverAddress) -> str | None:
-    """One warning for the ranks whose output did not reach the driver (None: nothing lost)."""
-    lossy = [o for o in outcomes if o.channel_error or o.lost_lines or o.dropped_events]
-    if not lossy:
-        return None
-    ranks = ", ".join(str(o.rank) for o in lossy)
-    lines = sum(o.lost_lines for o in lossy)
-    updates = sum(o.dropped_events for o in lossy)
-    why = next((o.channel_error for o in lossy if o.channel_error), "")
-    return (
-        f"output lost from rank{'s' if len(lossy) > 1 else ''} {ranks}: {_count(lines, 'line')} "
-        f"of output and {_count(updates, 'progress/metrics update')} never reached the "
-        f"notebook (each rank's last lines are shown); results and errors came back through "
-        f"the backend. {why}. {unreachable_hint(address)}"
-    )
-
-
-def unreachable_hint(address: events.DriverAddress) -> str:
-    """What to check when ranks cannot reach the event server, naming the settings used."""
-    where = f" nbdist's event server is {address.source}." if address.source else ""
-    return (
-        f"Check that the ranks can connect to that address (a firewall, a route).{where} "
-        f"Where the executors reach the driver at another address or port (NAT, a driver in "
-        f"a container), set it with %config DistMagics.driver_host / NBDIST_DRIVER_HOST and "
-        f"forward a fixed port set with DistMagics.driver_port / NBDIST_DRIVER_PORT."
-    )
-
-
 def _server(address: events.DriverAddress) -> events.EventServer:
     """The kernel's event server for ``address``; a clear error when it cannot listen there."""
     try:
@@ -972,20 +699,21 @@ def _server(address: events.DriverAddress) -> events.EventServer:
         ) from None
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+#: A job whose payload pickled to this much gives the freed memory back to the system when it
+#: ends (``_trim_heap``): a large notebook package read and pickled in pieces left the kernel
+#: that much bigger, free but kept by the C allocator.
+TRIM_AFTER_BYTES = 32 << 20
 
 
-def _on_hosts(by_rank: dict[int, str]) -> str:
-    """``ranks 2, 3 on 10.0.0.4 and rank 5 on 10.0.0.5``: ranks grouped by host."""
-    hosts: dict[str, list[int]] = {}
-    for rank, host in sorted(by_rank.items()):
-        hosts.setdefault(host, []).append(rank)
-    return " and ".join(f"{_ranks(ranks)} on {host}" for host, ranks in hosts.items())
+def _trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc's ``malloc_trim``; nothing
+    elsewhere)."""
+    import ctypes
 
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def start(payload: Payload, np: int, options: JobOptions | None = None) -> Job:
@@ -993,11 +721,11 @@ def start(payload: Payload, np: int, options: JobOptions | None = None) -> Job:
     options = JobOptions() if options is None else options
     launcher, n = backends.choose(np, options.backend)
     if options.timeout is not None and options.timeout <= 0:
-        raise ValueError("timeout must be a positive number of seconds")
+        raise ValueError(f"timeout must be a positive number of seconds, not {options.timeout!r}")
     try:
         return Job(payload, n, launcher, options).start()
     except OSError as exc:
-        raise LaunchError(f"could not start the ranks: {exc}") from exc
+        raise launch_failed(n, launcher.name, exc) from exc
 
 
 def run(
@@ -1009,6 +737,7 @@ def run(
     timeout: float | None = None,
     env: dict[str, str] | None = None,
     mlflow: bool = False,
+    log_dir: str | None = None,
     **kwargs: Any,
 ) -> Job:
     """Run ``fn(*args, **kwargs)`` on ``np`` ranks and return the :class:`Job`.
@@ -1030,6 +759,9 @@ def run(
         Log rank 0's reported metrics (``nbdist.report``) into the notebook's active MLflow
         run, with steps (``nbdist.tracking``); a ValueError when there is none. The ranks
         get that run's ``MLFLOW_*`` variables whether or not this is set.
+    log_dir : str, optional
+        Where every rank's complete log goes (``rank-R.log``); default: a folder of the
+        job's under the temporary folder (``--log-dir``).
 
     Returns
     -------
@@ -1038,6 +770,6 @@ def run(
     """
     payload: CallPayload = {"kind": "call", "code": call_code(fn, args, kwargs), "fn": fn,
                             "args": args, "kwargs": kwargs}
-    return start(payload, np, JobOptions(backend=backend, gpu=gpu, timeout=timeout,
-                                         env=dict(env or {}),
-                                         label=getattr(fn, "__name__", "fn"), mlflow=mlflow))
+    options = options_from(getattr(fn, "__name__", "fn"), backend=backend, gpu=gpu,
+                           timeout=timeout, env=env, mlflow=mlflow, log_dir=log_dir)
+    return start(payload, np, options)

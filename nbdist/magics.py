@@ -21,12 +21,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, launch, logfiles, slices, waiting
+from nbdist import _logcarry, elastic, events, handle, logfiles, settings, slices, waiting
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
 from nbdist.errors import CellSyntaxError, PullWarning
 from nbdist.launch import backends
+from nbdist.magicline import strip_comment
 from nbdist.options import JobOptions, Restarts
 from nbdist.protocol import CallPayload, Payload, Pulled, ScriptPayload
 from nbdist.rank import debugger as rank_debugger
@@ -49,6 +50,7 @@ class Options:
     export: str | None = None
     script: str | None = None
     script_args: list[str] = field(default_factory=list)
+    targets: str | None = None  # --targets SPEC: the session's ranks this cell runs on
 
 
 class StatusArgs(NamedTuple):
@@ -119,6 +121,59 @@ def parse_status(line: str) -> StatusArgs:
     if trace is not None and (problem := timeline_view.trace_target_problem(trace)) is not None:
         raise UsageError(f"--trace {trace}: {problem}")
     return StatusArgs(job_id, show_timeline, trace, ranks, rank, 20 if lines is None else lines)
+
+
+def unknown_job(job_id: str, magic: str) -> str:
+    """What to say about a job id that names no job of this kernel: the ones it has."""
+    known = [j.id for j in handle.jobs()]
+    running = [j.id for j in handle.jobs() if not j.done()]
+    if not known:
+        return f"no job {job_id!r}: this kernel has run no nbdist job yet"
+    if running:
+        return (f"no job {job_id!r} in this kernel; running now: {', '.join(running)} "
+                f"(e.g. {magic} {running[-1]}); %dist_status lists every job")
+    return (f"no job {job_id!r} in this kernel, and none is running (the newest, "
+            f"{known[-1]}, ended); %dist_status lists every job")
+
+
+def parse_cancel(line: str) -> str | None:
+    """``%dist_cancel``'s argument: the job, or None for the one running."""
+    args = shlex.split(line)
+    if len(args) > 1:
+        raise UsageError(f"%dist_cancel takes one job, not {len(args)} arguments "
+                         f"({' '.join(map(repr, args))}); cancel them one at a time")
+    if args and args[0].startswith("-"):
+        raise UsageError(f"%dist_cancel takes no options, not {args[0]!r}: give the job to "
+                         f"cancel (%dist_cancel j3), or nothing for the one running")
+    return args[0] if args else None
+
+
+def check_session_args(args: argparse.Namespace) -> int | None:
+    """Validate ``%dist_session``'s parsed arguments: ``-np`` for ``start`` (returned), and
+    no launch options without ``start``."""
+    if args.action != "start":
+        given = [option for option, value in (
+            ("-np", args.np), ("--backend", args.backend != "auto" or None),
+            ("--gpu/--no-gpu", args.gpu), ("--env", args.env), ("--log-dir", args.log_dir),
+            ("--idle-timeout", args.idle_timeout)) if value is not None]
+        if given:
+            action = args.action or "(no action)"
+            raise UsageError(f"%dist_session {action} takes no {', '.join(given)}: they are "
+                             f"options of %dist_session start")
+        return None
+    if args.max_restarts is not None:
+        raise UsageError(
+            "a session cannot restart: --max-restarts relaunches every rank after a fault, "
+            "and a session's ranks keep what earlier cells defined, which a restart would "
+            "lose. Run the training as a job of its own that restarts: %%distributed -np N "
+            "--max-restarts K")
+    np = _parse_np(args.np)
+    if np is None:
+        raise UsageError("%dist_session start needs -np N: the number of ranks")
+    if args.idle_timeout is not None and args.idle_timeout <= 0:
+        raise UsageError(f"--idle-timeout takes a positive number of seconds, not "
+                         f"{args.idle_timeout:g}")
+    return np
 
 
 def _launch_arguments(func: Any) -> Any:
@@ -198,12 +253,22 @@ def parse_options(args: argparse.Namespace, *, session: bool = False) -> Options
     if getattr(args, "bg", False) and args.output is not None:
         raise UsageError("-o stores the values when the job ends, and --bg does not wait for "
                          "that: drop -o and use the returned job's .results")
-    job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
-                     mlflow=mlflow, log_dir=log_dir, restarts=restarts)
+    targets = getattr(args, "targets", None)
+    if targets is not None and np is not None:
+        raise UsageError("--targets picks ranks of the kernel's session (%dist_session); a job "
+                         "of its own (-np N) runs on all its ranks: drop -np or --targets")
+    if targets is not None and not targets.strip():
+        raise UsageError("--targets takes ranks of the session: 0,2 or 1-3 or host=NAME")
+    try:
+        job = JobOptions(backend=args.backend, gpu=args.gpu, timeout=args.timeout, env=env,
+                         mlflow=mlflow, log_dir=log_dir, restarts=restarts)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return Options(
         np=np, job=job, output=args.output, quiet=args.quiet, bg=getattr(args, "bg", False),
         show_source=args.show_source, export=export,
         script=getattr(args, "script", None), script_args=list(getattr(args, "args", []) or []),
+        targets=targets,
     )
 
 
@@ -237,8 +302,11 @@ def _parse_restarts(args: argparse.Namespace, np: int | None) -> Restarts:
     folder = getattr(args, "checkpoint_dir", None)
     if folder is not None and np is None:
         raise UsageError("--checkpoint-dir applies to a job of its own: give -np N")
-    return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
-                    capacity_wait=wait, checkpoint_dir=folder)
+    try:
+        return Restarts(max_restarts=max_restarts or 0, restart_on_error=on_error,
+                        capacity_wait=wait, checkpoint_dir=folder)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _restart_arguments(func: Any) -> Any:
@@ -294,14 +362,14 @@ class DistMagics(Magics):
         help="Seconds after which a Spark rank that hears nothing from the driver stops, and "
         "the driver fails a job (or session) whose connected ranks went silent: a host or "
         "network cut off. At least 10; 0 turns it off. Wins over NBDIST_HEARTBEAT_TIMEOUT. "
-        f"Default: {launch.HEARTBEAT_TIMEOUT_S:g}.",
+        f"Default: {settings.HEARTBEAT_TIMEOUT_S:g}.",
     )
 
     capacity_wait = Float(
-        elastic.CAPACITY_WAIT_S, config=True,
+        settings.CAPACITY_WAIT_S, config=True,
         help="Seconds a job that restarts (--max-restarts) waits for the backend to have the "
         "slots for its ranks again before it fails. --capacity-wait wins. "
-        f"Default: {elastic.CAPACITY_WAIT_S:g}.",
+        f"Default: {settings.CAPACITY_WAIT_S:g}.",
     )
     stacks_when_quiet = Float(
         None, allow_none=True, config=True,
@@ -310,9 +378,30 @@ class DistMagics(Magics):
         "seconds. Default: None (only on a timeout or a cancel).",
     )
 
-    @observe("stacks_when_quiet")
-    def _forensics_setting(self, change: Any) -> None:
-        jobs.forensics.stacks_when_quiet = change["new"]
+    history = Int(
+        50, config=True,
+        help="Finished jobs kept for %dist_status; older ones are forgotten. Default: 50.",
+    )
+    history_mb = Float(
+        256.0, config=True,
+        help="What finished jobs keep of their values, in MiB of pickled size, in all: the "
+        "last job's values are always kept; an older job's are let go once the jobs after it "
+        "hold more (its .result() then says so). Default: 256.",
+    )
+
+    @validate("large_value_mb", "history", "history_mb")
+    def _valid_setting(self, proposal: Any) -> Any:
+        try:
+            settings.Settings().__setattr__(proposal["trait"].name, proposal["value"])
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
+
+    @observe(*settings.names())
+    def _setting(self, change: Any) -> None:
+        # The one home of every knob (nbdist.settings): the engine reads them there at each
+        # launch, also for nbdist.run() called in the notebook.
+        setattr(settings.settings, change["name"], change["new"])
 
     @validate("stacks_when_quiet")
     def _valid_quiet(self, proposal: Any) -> float | None:
@@ -330,25 +419,42 @@ class DistMagics(Magics):
         "directory.",
     )
 
-    @observe("capacity_wait", "checkpoint_root")
-    def _restart_setting(self, change: Any) -> None:
-        setattr(elastic.settings, change["name"], change["new"])
-
     warm_at_load = Bool(
         True, config=True,
         help="At %load_ext nbdist, when torch is installed, start the zygote the first local "
         "job forks its ranks from, importing torch and numpy at low priority (nice 19), so "
         "that the first cell starts at once. False (or NBDIST_WARM_AT_LOAD=0) waits for the "
         "first job; NBDIST_ZYGOTE=0 and NBDIST_WARM_POOL=0 turn it off too. Set it in an "
-        "IPython profile (c.DistMagics.warm_at_load = False): it is read when nbdist loads.",
+        "IPython profile (c.DistMagics.warm_at_load = False): it is read when nbdist loads; "
+        "set with %config once loaded, True starts the zygote now and False says what it "
+        "cannot undo.",
     )
+
+    @observe("warm_at_load")
+    def _warm_setting(self, change: Any) -> None:
+        loaded: list[object] = list(getattr(self.shell, "configurables", ()))
+        if self not in loaded:  # registered: not the profile's value, read at load
+            return
+        from nbdist.launch.local import warm_at_load
+
+        if change["new"]:
+            started = warm_at_load() is not None
+            print("nbdist: starting the first job's zygote now (torch imported in the "
+                  "background, at low priority)" if started else
+                  "nbdist: no zygote to start (torch is not installed, or NBDIST_WARM_AT_LOAD=0, "
+                  "NBDIST_ZYGOTE=0 or NBDIST_WARM_POOL=0 is set)")
+        else:
+            print("nbdist: DistMagics.warm_at_load is read at %load_ext nbdist, which has run: "
+                  "a zygote it started stays until idle. To not start one at load, set "
+                  "c.DistMagics.warm_at_load = False in an IPython profile, or "
+                  "NBDIST_WARM_AT_LOAD=0 before %load_ext nbdist")
 
     @validate("heartbeat_timeout")
     def _valid_timeout(self, proposal: Any) -> float | None:
         value = proposal["value"]
         if value is not None:
             try:
-                launch.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
+                settings.check_heartbeat_timeout(value, "DistMagics.heartbeat_timeout")
             except ValueError as exc:
                 raise TraitError(str(exc)) from None
         return value  # type: ignore[no-any-return]
@@ -368,11 +474,6 @@ class DistMagics(Magics):
                              f"any free port), not {value}")
         return value  # type: ignore[no-any-return]
 
-    @observe("driver_host", "driver_port", "heartbeat_timeout")
-    def _network_setting(self, change: Any) -> None:
-        # The engine reads them at each launch, also for nbdist.run() called in the notebook.
-        setattr(launch.settings, change["name"], change["new"])
-
     @magic_arguments()
     @_launch_arguments
     @argument("--timeout", type=float, metavar="SECONDS",
@@ -380,6 +481,9 @@ class DistMagics(Magics):
     @argument("-o", dest="output", metavar="VAR",
               help="store every rank's value in VAR as a list (index = rank)")
     @argument("--quiet", action="store_true", help="show no output, only errors and the result")
+    @argument("--targets", metavar="SPEC",
+              help="a session cell: run on these ranks only (0,2 or 1-3 or host=NAME); the "
+              "others keep their state untouched, and -o gets the targets' values in rank order")
     @argument("--bg", action="store_true",
               help="run in the background: return the job at once; the panel stays live")
     @argument("--show-source", action="store_true",
@@ -404,6 +508,7 @@ class DistMagics(Magics):
         on rank 0 is the cell's result. Without -np, the cell runs on the ranks of the
         kernel's session (%dist_session), which keep their variables between cells.
         """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         live = sessions.current()
         if live is not None and not live.alive and live.broken is None:
             live = None  # stopped on purpose: as if there were none (a broken one says why)
@@ -412,7 +517,10 @@ class DistMagics(Magics):
         if on is not None:
             on.check_usable()
         if cell is not None and opts.script:
-            raise UsageError(f"unexpected argument {opts.script!r}: the cell is what runs")
+            raise UsageError(
+                f"unexpected argument {opts.script!r} on the %%distributed line: in the cell "
+                f"form the cell is what runs (a script runs in the line form: %distributed "
+                f"-np 4 train.py --lr 0.01), and a comment starts with ' #'")
         if cell is None:
             payload = self._script_payload(opts)
         else:
@@ -462,9 +570,13 @@ class DistMagics(Magics):
         self, payload: Payload, opts: Options, *, returns: bool,
         on: sessions.Session | None = None,
     ) -> Any:
-        job: jobs.Handle
+        job: handle.Handle
         if on is not None:
-            job = on.run_cell(payload, timeout=opts.job.timeout)
+            try:
+                targets = on.targets(opts.targets) if opts.targets is not None else None
+            except ValueError as exc:
+                raise UsageError(f"--targets {opts.targets}: {exc}") from None
+            job = on.run_cell(payload, timeout=opts.job.timeout, targets=targets)
         else:
             assert opts.np is not None
             try:
@@ -500,7 +612,7 @@ class DistMagics(Magics):
             self.shell.user_ns[opts.output] = job.results
         return job.result() if returns else None
 
-    def _view(self, job: jobs.Handle) -> LiveView:
+    def _view(self, job: handle.Handle) -> LiveView:
         """The panel in a Jupyter kernel with ipywidgets (or when configured), else text."""
         mode = self.view
         if mode == "auto":
@@ -521,11 +633,12 @@ class DistMagics(Magics):
         line, a row per host and the ranks worth a look; ``--ranks SPEC`` lists the ranks SPEC
         names (``all``, ``8-15``, ``failed``, ``silent``, ``outliers``, ``host=NAME``).
         """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         job_id, show_timeline, trace, ranks, rank, lines = parse_status(line)
         if job_id is not None:
-            job = jobs.get_job(job_id)
+            job = handle.get_job(job_id)
             if job is None:
-                raise UsageError(f"no job {job_id!r}; %dist_status lists the jobs")
+                raise UsageError(unknown_job(job_id, "%dist_status"))
             if rank is not None:
                 try:
                     print(logfiles.tail_text(job.state, rank, lines))
@@ -546,13 +659,14 @@ class DistMagics(Magics):
                     raise UsageError(f"%dist_status {job_id} --ranks: {exc}") from None
                 display(report)
             return
-        display(status.JobsReport([j.state for j in jobs.jobs()], backends.capacities(),
+        display(status.JobsReport([j.state for j in handle.jobs()], backends.capacities(),
                                   rejected=events.rejected_connections()))
 
     @magic_arguments()
     @argument("job", nargs="?", help="the job (default: the one running)")
-    @argument("--timeout", type=float, default=jobs.STACKS_WAIT_S, metavar="SECONDS",
-              help="how long to wait for the ranks' answers (default %(default)s)")
+    @argument("--timeout", type=float, default=handle.STACKS_WAIT_S, metavar="SECONDS",
+              help="how long to wait for the ranks' supervisors to answer (default "
+              "%(default)s); each rank has 2 s to write its stacks, whatever this is")
     @line_magic
     def dist_stacks(self, line: str) -> None:
         """Show the Python stacks of every thread of every running rank, grouped.
@@ -561,10 +675,11 @@ class DistMagics(Magics):
         (cell line 41)``), then each group's frames. Works while a rank is stuck in C code (a
         collective, a lock). A rank that does not answer is named with its last lines.
         """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_stacks, line)
-        job = jobs.get_job(args.job)
+        job = handle.get_job(args.job)
         if job is None:
-            raise UsageError(f"no job {args.job!r}; %dist_status lists the jobs" if args.job
+            raise UsageError(unknown_job(args.job, "%dist_stacks") if args.job
                              else "no nbdist job to show the stacks of")
         if job.done():
             raise UsageError(f"job {job.id} already ended ({job.state.status}): only running "
@@ -584,6 +699,7 @@ class DistMagics(Magics):
         The debugger runs on the rank, in the frames of its traceback with their live state;
         type its commands in the notebook's input box (``c`` or ``q`` ends it).
         """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_debug, line)
         live = sessions.current()
         cell = live.last_cell if live is not None and live.alive else None
@@ -605,10 +721,12 @@ class DistMagics(Magics):
     @line_magic
     def dist_cancel(self, line: str) -> None:
         """Cancel a job (default: the one running); its ranks are gone within seconds."""
-        args = shlex.split(line)
-        job = jobs.get_job(args[0] if args else None)
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
+        job_id = parse_cancel(line)
+        job = handle.get_job(job_id)
         if job is None:
-            raise UsageError(f"no job {args[0]!r}" if args else "no nbdist job to cancel")
+            raise UsageError(unknown_job(job_id, "%dist_cancel") if job_id is not None
+                             else "no nbdist job to cancel")
         if job.done():
             print(f"job {job.id} already ended ({job.state.status})")
             return
@@ -636,7 +754,9 @@ class DistMagics(Magics):
         without -np then runs on them, and what a cell defines on the ranks (a model, a data
         set, the process group) is still there in the next. ``%dist_session stop`` ends it.
         """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_session, line)
+        np = check_session_args(args)
         live = sessions.current()
         if args.action is None:
             if live is None:
@@ -650,18 +770,7 @@ class DistMagics(Magics):
             live.stop()
             print(f"session {live.id} stopped: its {live.np} ranks are gone")
             return None
-        if args.max_restarts is not None:
-            raise UsageError(
-                "a session cannot restart: --max-restarts relaunches every rank after a fault, "
-                "and a session's ranks keep what earlier cells defined, which a restart would "
-                "lose. Run the training as a job of its own that restarts: %%distributed -np N "
-                "--max-restarts K")
-        np = _parse_np(args.np)
-        if np is None:
-            raise UsageError("%dist_session start needs -np N: the number of ranks")
-        if args.idle_timeout is not None and args.idle_timeout <= 0:
-            raise UsageError(f"--idle-timeout takes a positive number of seconds, not "
-                             f"{args.idle_timeout:g}")
+        assert np is not None
         started = time.monotonic()
         try:
             options = JobOptions(backend=args.backend, gpu=args.gpu, env=_parse_env(args.env),
@@ -679,6 +788,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_pull(self, line: str) -> None:
         """Copy a variable from a session's rank into the notebook (a picklable value)."""
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_pull, line)
         session = self._session()
         if not 0 <= args.rank < session.np:
@@ -703,10 +813,15 @@ class DistMagics(Magics):
     @line_magic
     def dist_push(self, line: str) -> None:
         """Copy notebook variables to every rank of the session (replacing theirs)."""
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_push, line)
         session = self._session()
         shell = self.shell
         assert shell is not None
+        # Every value is pickled (and refused, if it must be) before any rank is involved: a
+        # refusal leaves the session as it was. Each is pickled once; that pickle is what
+        # travels (session.run_cell), and is let go once every rank has it.
+        pickled: list[tuple[str, bytes]] = []
         for name in args.names:
             if name not in shell.user_ns:
                 raise UsageError(f"the notebook has no variable {name!r} to push")
@@ -716,7 +831,12 @@ class DistMagics(Magics):
             if not captured.values:
                 raise UsageError(f"{name!r} is a module or an import in the notebook; import "
                                  f"it in a %%distributed cell instead")
-            session.run_cell({"kind": "push", "name": name, "data": captured.data}).result()
+            pickled.append((name, captured.data))
+            del captured
+        while pickled:
+            name, data = pickled.pop(0)
+            session.run_cell({"kind": "push", "name": name, "data": data}).result()
+            del data
         print(f"pushed {', '.join(args.names)} to the {session.np} ranks of {session.id}")
 
     @magic_arguments()
@@ -725,6 +845,7 @@ class DistMagics(Magics):
     def dist_scatter(self, line: str) -> None:
         """Split a notebook list, tuple, numpy array, torch tensor or pandas DataFrame/Series
         across the session's ranks: rank r gets its slice (by rows) under the same name."""
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_scatter, line)
         session = self._session()
         shell = self.shell
@@ -743,12 +864,18 @@ class DistMagics(Magics):
             raise UsageError(f"cannot scatter {args.name!r}: it has {n} items for the "
                              f"{session.np} ranks of {session.id}; every rank needs one")
 
-        def own(rank: int) -> dict[str, Any]:
+        # Every slice is pickled (and refused, if it must be) before any rank is involved: a
+        # refusal leaves the session as it was. The slices' pickles are what travel, each
+        # let go once its rank has it (session.run_cell).
+        parts: list[bytes | None] = [
             # Capture's rules (refusals, size warnings) apply to each slice as to a push.
-            captured = capture_cell(args.name, {args.name: slices.part(value, rank,
-                                                                       session.np)},
-                                    warn_bytes=int(self.large_value_mb * 1e6))
-            return {"data": captured.data}
+            capture_cell(args.name, {args.name: slices.part(value, rank, session.np)},
+                         warn_bytes=int(self.large_value_mb * 1e6)).data
+            for rank in range(session.np)]
+
+        def own(rank: int) -> dict[str, Any]:
+            data, parts[rank] = parts[rank], None
+            return {"data": data}
 
         session.run_cell({"kind": "push", "name": args.name, "data": b""},
                          per_rank=own).result()
@@ -763,6 +890,7 @@ class DistMagics(Magics):
     def dist_gather(self, line: str) -> None:
         """Bring a session variable back from every rank, joined in rank order (lists, tuples,
         arrays, tensors and DataFrames are concatenated; other values come as a list)."""
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
         args = parse_argstring(self.dist_gather, line)
         session = self._session()
         cell = session.run_cell({"kind": "pull", "name": args.name, "rank": -1})
@@ -795,7 +923,7 @@ def unload(shell: Any) -> None:
     ``%%distributed`` is unknown again.
     ``%load_ext nbdist`` starts over.
     """
-    running = [j.id for j in jobs.jobs() if not j.done()]
+    running = [j.id for j in handle.jobs() if not j.done()]
     if running:
         one = len(running) == 1
         what = f"job {running[0]} is" if one else f"jobs {', '.join(running)} are"

@@ -33,14 +33,15 @@ The boundaries, and what crosses each (all defined below):
   through ``collect()``, as its plain fields).
 
 Two sockets stay inside one module each, both of their ends in it, and are typed there: the
-local zygote's (``launch/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
-``ExitMsg``) and the Spark executor zygote's (``launch/executor_zygote.py``: ``ChallengeMsg``,
+local zygote's (``rank/zygote.py``: ``WarmMsg``, ``ForkMsg``, ``ReadyMsg``, ``ForkedMsg``,
+``ExitMsg``) and the Spark executor zygote's (``rank/executor_zygote.py``: ``ChallengeMsg``,
 ``HelloMsg``, ``ExecutorReadyMsg``, ``ExecutorForkMsg`` and the ``ExecutorConfig`` on its stdin).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -48,7 +49,7 @@ import pickle
 import signal
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, BinaryIO, Literal, TypedDict, cast
@@ -122,6 +123,9 @@ class Frame:
     PIECE = ord("B")  #: rank → supervisor: a piece of a session cell's value (``nbdist.values``)
     ERROR = ord("X")  #: rank → supervisor: JSON ``ErrorRecord``
     DEBUG = ord("D")  #: supervisor → rank: a line typed in the notebook for its debugger
+    #: supervisor → rank: write every thread's stack to the dump file now, from the thread that
+    #: reads this pipe (no signal: ``%dist_stacks`` where ``STACKS_SIGNAL`` would hurt the rank)
+    STACKS = ord("S")
 
 
 def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview, flush: bool = True) -> None:
@@ -130,6 +134,15 @@ def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview, flush: bool = 
     f.write(body)
     if flush:
         f.flush()
+
+
+def write_frame_parts(f: BinaryIO, kind: int, parts: list[bytes]) -> None:
+    """Write one frame whose body is ``parts`` joined, without joining them (a large value
+    is written where it lies), and flush it."""
+    f.write(_HEADER.pack(sum(len(p) for p in parts), kind))
+    for part in parts:
+        f.write(part)
+    f.flush()
 
 
 def read_frame(f: BinaryIO) -> tuple[int, bytes] | None:
@@ -380,6 +393,15 @@ class ShippedCode:
         return shipped_code, (self.digest, self.files, self.modules)
 
 
+def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
+    """``ShippedCode.digest`` of these files: sha256 of their paths and contents."""
+    digest = hashlib.sha256()
+    for rel, data in sorted(files):
+        digest.update(rel.encode() + b"\0" + str(len(data)).encode() + b"\0")
+        digest.update(data)
+    return digest.hexdigest()[:32]
+
+
 def shipped_code(digest: str, files: tuple[tuple[str, bytes], ...],
                  modules: tuple[tuple[str, int, int], ...]) -> ShippedCode:
     """A ``ShippedCode`` as unpickled anywhere but on a rank (see ``ShippedCode.__reduce__``)."""
@@ -460,7 +482,11 @@ class Pulled:
 
 class PushPayload(SessionKeys):
     """``%dist_push NAME``: set a session variable on every rank to the notebook's value
-    (``%dist_scatter NAME``: each rank's ``data`` is its own slice)."""
+    (``%dist_scatter NAME``: each rank's ``data`` is its own slice).
+
+    A large ``data`` travels after the pickle of the other keys, in the same frame, rather
+    than inside it (``session.run_cell``: the driver pickles the value once); the rank's
+    loader (``runtime._load_payload``) puts it back."""
 
     kind: Literal["push"]
     name: str
@@ -504,6 +530,7 @@ class HelloEvent(TypedDict, total=False):
     gpus: list[int | str]
     tf_port: int  # held for the rank's TensorFlow worker (``TF_CONFIG``)
     port: int  # rank 0: a free port for ``MASTER_PORT``
+    jax_port: int  # rank 0: held for JAX's coordinator (``NBDIST_JAX_COORDINATOR``)
     executor: str  # Spark: the executor's id
     rank: int  # in the backend's own rendezvous (``rank.Gather``), where no connection says it
 
@@ -677,12 +704,32 @@ class ResultEvent(TypedDict, total=False):
     bytes: list[int]  # which of the sizes are ``bytes`` objects (``values.bytes_segments``)
 
 
+#: The most a rank's one display may weigh, its mime bundle as sent (base64 for images): an
+#: event travels as one line of the event channel (``events.MAX_LINE_BYTES``, 16 MiB) and
+#: reaches the notebook as one IOPub message. A bigger representation is left out, and the
+#: display says so (``DisplayEvent.note``).
+MAX_DISPLAY_BYTES = 8_000_000
+
+
+class DisplayEvent(TypedDict, total=False):
+    """Rich output of a rank (``display(obj)``, a matplotlib figure): a Jupyter mime bundle
+    (``data``: mime type → str, base64 for binary types, or JSON for ``application/json``;
+    ``metadata`` likewise), as the kernel would publish it. ``size``: the bundle's bytes as
+    sent; ``note``: what was left out to stay within ``MAX_DISPLAY_BYTES``, in words."""
+
+    t: Literal["display"]
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    size: int
+    note: str
+
+
 #: Everything a rank sends: its interpreter to its supervisor (``Frame.EVENT``), and its
 #: supervisor to the driver (the event channel).
 RankEvent = (OutEvent | ProgressEvent | MetricsEvent | StateEvent | MarksEvent | HeartbeatEvent
              | ResourcesEvent | CellValueEvent | CellDataEvent | CellErrorEvent
              | CellResultEvent | WarmEvent | NamesEvent | ResultEvent | HelloEvent | StacksEvent
-             | DebugEvent)
+             | DebugEvent | DisplayEvent)
 
 
 class WorldEvent(TypedDict):
@@ -692,12 +739,31 @@ class WorldEvent(TypedDict):
     env: dict[str, str]
 
 
-class CellEvent(TypedDict):
-    """Driver → session rank: run a payload (pickled, base64 text) as cell ``id``."""
-
+class _Cell0(TypedDict):
     t: Literal["cell"]
     id: int
     payload: str
+
+
+class CellEvent(_Cell0, total=False):
+    """Driver → session rank: run a payload (pickled, base64 text) as cell ``id``.
+
+    A large payload (a push, a scatter's slice: ``session.run_cell``) is never one message:
+    on the channel it comes first as ``chunks`` ``CellPartEvent`` pieces (``payload`` then
+    empty), which the supervisor joins; handed to a local supervisor as a call
+    (``Launcher.deliver``) it is ``frame``, the payload frame's parts as they are (no copy, no
+    base64; never on the wire)."""
+
+    chunks: int
+    frame: list[bytes]
+
+
+class CellPartEvent(TypedDict):
+    """Driver → session rank: the next piece (base64) of cell ``id``'s payload."""
+
+    t: Literal["cell_part"]
+    id: int
+    data: str
 
 
 class CancelEvent(TypedDict):
@@ -735,5 +801,5 @@ class PaceEvent(TypedDict):
 
 
 #: Everything the driver sends a rank on the event channel.
-DriverEvent = (WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
-               | StacksRequest | DebugEvent)
+DriverEvent = (WorldEvent | CellEvent | CellPartEvent | CancelEvent | InterruptEvent | PingEvent
+               | PaceEvent | StacksRequest | DebugEvent)

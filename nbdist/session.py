@@ -28,24 +28,18 @@ import atexit
 import base64
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbdist import _pickling, channel, state, values
 from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
-from nbdist.job import (
-    STACKS_WAIT_S,
-    Handle,
-    Job,
-    register,
-    retain,
-    unreachable_hint,
-)
+from nbdist.handle import STACKS_WAIT_S, Handle, register
+from nbdist.job import Job, unreachable_hint
 from nbdist.launch import Launcher, backends
 from nbdist.options import JobOptions
-from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
+from nbdist.protocol import CellEvent, CellPartEvent, Payload, RankOutcome, RankStatus
 from nbdist.stacks import Stacks
 from nbdist.waiting import wait_loop
 
@@ -198,49 +192,111 @@ class Session:
         # Set by every rank's "ready", and by the session's end: stop() ends the wait too.
         if not wait_loop(self._ready_event, timeout, None, cancel=self.stop,
                          teardown_s=2 * STOP_S):
+            late = sorted(set(range(self.np)) - self._ready)
             self.stop()
             raise SessionError(
                 f"session {self.id}: only {len(self._ready)} of {self.np} ranks were "
-                f"ready after {timeout:g} s; it was stopped"
+                f"ready after {timeout:g} s; not ready: {_ranks_on(self.state, late)}. It was "
+                f"stopped; %dist_status {self.id} shows their last lines and how they ended"
             )
         if self.done():
             why = self.broken or self.job.cancel_reason or "its ranks ended before they were ready"
             raise SessionError(f"session {self.id} could not start: {why}")
 
     # -- cells --------------------------------------------------------------------------------
+    def targets(self, spec: str) -> list[int]:
+        """The session's ranks that ``spec`` names (``0,2``, ``1-3``, ``host=NAME``), in rank
+        order; ValueError for a spec that names none or is not understood."""
+        ranks = state.select_ranks(spec, self.state.ranks)
+        if not ranks:
+            raise ValueError(f"no rank of session {self.id} matches it (ranks 0-{self.np - 1})")
+        return ranks
+
     def run_cell(
         self, payload: Payload, *, timeout: float | None = None, label: str = "",
         per_rank: Callable[[int], Mapping[str, Any]] | None = None,
+        targets: Sequence[int] | None = None,
     ) -> SessionCell:
-        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session.
+        """Run ``payload`` (a captured cell, a pull or a push) on every rank of the session,
+        or on ``targets`` only (``--targets``: the others' state stays untouched).
 
         ``per_rank(r)``, when given, adds rank ``r``'s own keys to its payload (a scatter's
-        slice): called for one rank at a time, just before its payload is sent."""
+        slice). Every rank's payload is pickled before the cell exists: a payload that cannot
+        be pickled raises here and leaves the session as it was (HARDENING.md rule 11).
+
+        A push's value (``data``) is pickled once, by the caller: it travels after the pickle
+        of the payload's other keys, as it is (``_frame``). Payloads larger than
+        ``DIRECT_BYTES`` go from a thread of their own, to one rank after another; on the
+        event channel in pieces of ``values.CHUNK`` (never as one base64 line per rank), to a
+        local rank's supervisor as a call with the bytes themselves (``Launcher.deliver``).
+        """
+        ranks = sorted(set(targets)) if targets is not None else list(range(self.np))
+        if not ranks or not all(0 <= r < self.np for r in ranks):
+            raise ValueError(f"targets {list(ranks)}: session {self.id} has ranks "
+                             f"0-{self.np - 1}")
         with self._lock:
             self.check_usable()
-            self._cell_ids += 1
-            cell = SessionCell(self, f"{self.id}.{self._cell_ids}", timeout, label)
+            number = self._cell_ids + 1
+            common = {**payload, "session": True, "keep": True, "cell": number}
+            frames: dict[int, list[bytes] | None]
+            if per_rank is None:
+                shared = _frame(common)  # one frame, every rank's
+                frames = {rank: shared for rank in ranks}
+            else:
+                frames = {rank: _frame({**common, **per_rank(rank)}) for rank in ranks}
+            self._cell_ids = number
+            cell = SessionCell(self, f"{self.id}.{number}", timeout, label, ranks)
             self._cell = cell
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
             self.warning = ""
         register(cell)
-        common = {**payload, "session": True, "keep": True, "cell": self._cell_ids}
-        message: CellEvent | None = None
-        direct = True
-        for rank in range(self.np):
-            if message is None or per_rank is not None:
-                own = common if per_rank is None else {**common, **per_rank(rank)}
-                pickled = _pickling.dumps(own)
-                direct = len(pickled) <= DIRECT_BYTES
-                body = base64.b64encode(pickled).decode()
-                message = {"t": "cell", "id": self._cell_ids, "payload": body}
-            # Direct: a local rank's supervisor takes a small one in this thread
-            # (``Launcher.deliver``); a large one goes on the channel (``DIRECT_BYTES``).
-            if not self.job.send(rank, message, direct=direct):
-                self._fail(f"rank {rank} of session {self.id} is not connected")
-                break
+        if all(sum(len(p) for p in parts or ()) <= DIRECT_BYTES for parts in frames.values()):
+            self._send_frames(number, frames)
+        else:
+            # Writing a large payload waits for each rank to read it: not the notebook's
+            # thread, which must stay free to wait on the cell and take the stop button.
+            threading.Thread(target=self._send_frames, args=(number, frames), daemon=True,
+                             name=f"nbdist-send-{cell.id}").start()
         return cell
+
+    def _send_frames(self, number: int, frames: dict[int, list[bytes] | None]) -> None:
+        """Send each rank its payload frame (dropping it once sent)."""
+        last: tuple[list[bytes], CellEvent] | None = None  # a frame every rank shares: encoded once
+        for rank in list(frames):
+            parts = frames[rank]
+            frames[rank] = None
+            assert parts is not None
+            if sum(map(len, parts)) <= DIRECT_BYTES:
+                if last is None or last[0] is not parts:
+                    last = (parts, {"t": "cell", "id": number,
+                                    "payload": base64.b64encode(b"".join(parts)).decode()})
+                message = last[1]
+                # Direct: a local rank's supervisor takes it in this thread
+                # (``Launcher.deliver``); elsewhere the channel.
+                ok = self.job.send(rank, message, direct=True)
+            else:
+                ok = (self.job.launcher.deliver(rank, {"t": "cell", "id": number,
+                                                       "payload": "", "frame": parts})
+                      or self._send_chunks(rank, number, parts))
+            del parts
+            if not ok:
+                self._fail(f"rank {rank} of session {self.id} is not connected")
+                return
+
+    def _send_chunks(self, rank: int, number: int, parts: list[bytes]) -> bool:
+        """A large payload on the event channel: pieces of at most ``values.CHUNK``, then the
+        cell (the kernel encodes one piece at a time)."""
+        chunks = 0
+        for part in parts:
+            view = memoryview(part)
+            for at in range(0, len(view), values.CHUNK):
+                piece: CellPartEvent = {"t": "cell_part", "id": number, "data": base64.b64encode(
+                    view[at:at + values.CHUNK]).decode()}
+                if not self.job.send(rank, piece):
+                    return False
+                chunks += 1
+        return self.job.send(rank, {"t": "cell", "id": number, "payload": "", "chunks": chunks})
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -397,21 +453,31 @@ class SessionCell(Handle):
     noun = "cell"
 
     def __init__(
-        self, session: Session, cell_id: str, timeout: float | None, label: str
+        self, session: Session, cell_id: str, timeout: float | None, label: str,
+        targets: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.id = cell_id
         self.session = session
         self.np = session.np
+        #: The ranks it runs on, in rank order (``--targets``; every rank by default): its
+        #: result is the first one's value, its results theirs (``Handle.targets``).
+        self._ranks = tuple(targets) if targets is not None else tuple(range(session.np))
+        self.targets = self._ranks
         self.label = label
         self.launcher = session.launcher
         self.timeout = timeout
         self.state = state.JobState(cell_id, session.launcher.name, session.np)
         self.state.log_dir = session.state.log_dir  # the session's ranks write one log each
+        self.state.log_error = session.state.log_error
         for r in session.state.ranks:  # the ranks' hosts and pids are the session's
             self.state.apply(r.rank, {"t": "hello", "host": r.host,
                                       "gpus": r.gpu.split(",") if r.gpu else []})
-            self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
+            if r.rank in self._ranks:
+                self.state.apply(r.rank, {"t": "state", "state": "starting", "pid": r.pid})
+        if len(self._ranks) < self.np:
+            self.state.set_note(f"runs on ranks {', '.join(map(str, self._ranks))} of "
+                                f"{self.np} (--targets); the others keep their state")
         self._lock = threading.Lock()
         self._number = int(cell_id.rpartition(".")[2])
         self._incoming: dict[int, values.Receiver] = {}  # rank → its value, arriving
@@ -498,7 +564,7 @@ class SessionCell(Handle):
 
     def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
         with self._lock:
-            if self._done.is_set() or rank in self._values or rank in self._errors:
+            if self.settled or rank in self._values or rank in self._errors:
                 return
             if error is None:
                 self._values[rank] = value
@@ -507,7 +573,7 @@ class SessionCell(Handle):
                 if self._first_error is None and error[0] != "KeyboardInterrupt":
                     self._first_error = rank
                     self._first_what = f"{error[0]}: {error[1]}"
-            running = [r for r in range(self.np) if r not in self._values and
+            running = [r for r in self._ranks if r not in self._values and
                        r not in self._errors]
             first_failure = error is not None and self._interrupted is None and running
         self.state.set_rank(rank, state.DONE if error is None else state.FAILED)
@@ -540,43 +606,41 @@ class SessionCell(Handle):
             self.end(None)
 
     def end(self, error: BaseException | None) -> None:
-        """The cell is over, with ``error`` or rank values; idempotent."""
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error = error
-            self._done.set()
-        for timer in (self._timer, self._grace):
-            if timer is not None:
-                timer.cancel()
+        """The cell is over, with ``error`` or rank values; idempotent. Its state is closed
+        (and the session free for the next cell) before it reads as done."""
         if error is None:
             final = state.DONE
         else:
             final = state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else (
                 state.FAILED)
-        for r in range(self.np):
-            if r not in self._values and r not in self._errors:
-                self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
-        with self._lock:
-            self._incoming.clear()  # values still arriving are of no use now
-            if error is not None:  # result() raises: the values of the other ranks go too
-                self._values, self._size = {}, 0
-        self.state.finish(final, "" if error is None else str(error))
-        self.session._cell_over(self)
-        if self._size:
-            retain(self)
+
+        def close() -> None:
+            for timer in (self._timer, self._grace):
+                if timer is not None:
+                    timer.cancel()
+            for r in self._ranks:
+                if r not in self._values and r not in self._errors:
+                    self.state.set_rank(r, state.CANCELLED if final != state.DONE else state.DONE)
+            with self._lock:
+                self._incoming.clear()  # values still arriving are of no use now
+                if error is not None:  # result() raises: the values of the other ranks go too
+                    self._values, self._size = {}, 0
+            self.state.finish(final, "" if error is None else str(error))
+            self.session._cell_over(self)
+
+        self._settle(error, close)
 
     # -- the Handle interface -------------------------------------------------------------------
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""
-        if self._done.is_set():
+        if self.settled:
             return
         with self._lock:
             again = self._interrupted is not None
             if not again:
                 self._interrupted = reason
-            running = [r for r in range(self.np) if r not in self._values and
+            running = [r for r in self._ranks if r not in self._values and
                        r not in self._errors]
         if again:
             return  # the grace timer below is already running
@@ -584,10 +648,10 @@ class SessionCell(Handle):
         self._grace = after(INTERRUPT_GRACE_S, self._stuck, reason)
 
     def _stuck(self, reason: str) -> None:
-        if self._done.is_set():
+        if self.settled:
             return
         with self._lock:
-            running = [r for r in range(self.np) if r not in self._values and
+            running = [r for r in self._ranks if r not in self._values and
                        r not in self._errors]
         self.session._fail(
             f"ranks {', '.join(map(str, running))} did not stop within {INTERRUPT_GRACE_S:g} s "
@@ -616,6 +680,16 @@ class SessionCell(Handle):
         return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.status}>"
 
 
+def _frame(payload: Mapping[str, Any]) -> list[bytes]:
+    """A payload's frame for its rank, in parts: its pickle; for a large push, the pickle of
+    its other keys and then its value's pickle as it is (``protocol.PushPayload``), so that
+    the value is never copied into a second pickle."""
+    data = payload.get("data")
+    if payload.get("kind") == "push" and isinstance(data, bytes) and len(data) > DIRECT_BYTES:
+        return [_pickling.dumps({k: v for k, v in payload.items() if k != "data"}), data]
+    return [_pickling.dumps(payload)]
+
+
 def _stop_at_exit() -> None:
     session = _current
     if session is not None and session.alive:
@@ -623,3 +697,13 @@ def _stop_at_exit() -> None:
 
 
 atexit.register(_stop_at_exit)
+
+
+def _ranks_on(ranks: state.JobState, which: list[int]) -> str:
+    """``rank 3 (host a)``, ``ranks 1, 2 (not connected)``: the ranks, with where each is."""
+    def where(rank: int) -> str:
+        host = ranks.ranks[rank].host if rank < len(ranks.ranks) else ""
+        return f"on {host}" if host else "not connected"
+
+    noun = "rank" if len(which) == 1 else "ranks"
+    return f"{noun} " + ", ".join(f"{r} ({where(r)})" for r in which)

@@ -29,12 +29,36 @@ MERGED_LINES = 5000
 #: Notes (``JobState.note``) kept for the views that print each one.
 NOTES_KEPT = 50
 MAX_PARTIAL = 64 * 1024
+#: Rich displays (``DisplayEvent``: ``display()``, figures) a job keeps for its views, of all
+#: ranks, newest last, in number and in bytes: what falls out was shown already (the panel's
+#: panes keep what they showed) or is counted (``JobState.displays_seen``).
+DISPLAYS_KEPT = 64
+DISPLAY_BYTES_KEPT = 64 * 1024 * 1024
 
 #: Rank and job statuses, in the order a rank goes through them (``protocol.RankStatus``).
 PENDING, STARTING, RUNNING, DONE, FAILED, CANCELLED = (s.value for s in RankStatus)
 FINAL = frozenset({DONE, FAILED, CANCELLED})
 _TALKING = frozenset({STARTING, RUNNING})  # a rank that should be heard of (RankState.silent)
 _ORDER = {s.value: s.order for s in RankStatus}
+
+
+class Display(NamedTuple):
+    """A rank's rich output: a Jupyter mime bundle, as the rank sent it (``DisplayEvent``)."""
+
+    seq: int  # the job's displays counted from 1
+    rank: int
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    note: str  # what was left out to bound it, in words ("" for nothing)
+    size: int
+
+    @property
+    def text(self) -> str:
+        """Its text form: ``text/plain``, else the kinds it has."""
+        plain = self.data.get("text/plain")
+        if isinstance(plain, str) and plain:
+            return plain
+        return "[" + ", ".join(sorted(self.data)) + "]"
 
 
 class Line(NamedTuple):
@@ -131,13 +155,18 @@ class JobState:
         self.rejected = 0
         #: Where every line of every rank is written (``nbdist.logfiles``), or None.
         self.log_dir: str | None = None
+        #: Why the log files could not be written (or stopped being written), or None.
+        self.log_error: str | None = None
         #: Where its ranks were when nbdist stopped the job (a timeout, a cancel): their
         #: stacks, grouped (``nbdist.stacks``); "" when none were taken.
         self.forensics = ""
-        self.values_dropped = False  # its values were let go to bound memory (job.HISTORY_BYTES)
+        self.values_dropped = False  # its values were let go to bound memory (settings.history_mb)
         self._partial: dict[tuple[int, str], str] = {}
         self.lock = threading.RLock()
         self.series = MetricSeries(np, self.created)  # every rank's metrics, for the charts
+        self.displays: collections.deque[Display] = collections.deque(maxlen=DISPLAYS_KEPT)
+        self.displays_seen = 0  # displays received in all (``Display.seq`` of the newest)
+        self._display_bytes = 0
 
     # -- events ---------------------------------------------------------------------------------
     def apply(self, rank: int, event: Mapping[str, Any]) -> None:
@@ -211,11 +240,41 @@ class JobState:
             at = event.get("at")
             if isinstance(at, dict):
                 r.marks.update(timeline.clean(at))
+        elif kind == "display":
+            self._display(r, event)
         elif kind == "hello":
             r.host = event.get("host")
             gpus = event.get("gpus") or []
             r.gpu = ",".join(map(str, gpus)) or None
         self.version += 1
+
+    def _display(self, r: RankState, event: Mapping[str, Any]) -> None:
+        """Keep a rank's display (bounded), and put its text form in the rank's log."""
+        data, metadata = event.get("data"), event.get("metadata")
+        if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+            return
+        note = event.get("note")
+        size = event.get("size")
+        size = size if type(size) is int and size >= 0 else sum(
+            len(v) if isinstance(v, str) else 1024 for v in data.values())
+        self.displays_seen += 1
+        shown = Display(self.displays_seen, r.rank, data,
+                        metadata if isinstance(metadata, dict) else {},
+                        note if isinstance(note, str) else "", size)
+        if len(self.displays) == self.displays.maxlen:
+            self._display_bytes -= self.displays[0].size
+        self.displays.append(shown)
+        self._display_bytes += size
+        while len(self.displays) > 1 and self._display_bytes > DISPLAY_BYTES_KEPT:
+            self._display_bytes -= self.displays.popleft().size
+        r.last_output = time.time()
+        self._output_text(r, "o", shown.text + "\n")
+
+    def displays_since(self, seq: int, rank: int | None = None) -> list[Display]:
+        """The displays kept that came after display ``seq`` (of ``rank``, or of every rank)."""
+        with self.lock:
+            return [d for d in self.displays
+                    if d.seq > seq and (rank is None or d.rank == rank)]
 
     def _rank_state(self, r: RankState, event: Mapping[str, Any]) -> None:
         new = event.get("state")
@@ -311,10 +370,23 @@ class JobState:
             r.peak_rss = _max(r.peak_rss, peak_rss)
             self.version += 1
 
+    def set_note(self, note: str) -> None:
+        """The line the views show under the header (see ``note``)."""
+        with self.lock:
+            if note != self.note:
+                self._set_note(note)
+                self.version += 1
+
     def set_forensics(self, text: str) -> None:
         """The ranks' grouped stacks, taken before nbdist stopped them."""
         with self.lock:
             self.forensics = text
+            self.version += 1
+
+    def set_log_error(self, error: str) -> None:
+        """The ranks' log files cannot be written (``logfiles.RankLogs``): the views say so."""
+        with self.lock:
+            self.log_error = error
             self.version += 1
 
     def finish(self, status: str, reason: str = "") -> None:
@@ -682,12 +754,6 @@ class ElasticState(JobState):
                 last = self.attempts[-1]
                 last.ended, last.cause, last.verdict = time.time(), cause, verdict
             self.version += 1
-
-    def set_note(self, note: str) -> None:
-        with self.lock:
-            if note != self.note:
-                self._set_note(note)
-                self.version += 1
 
     def finish(self, status: str, reason: str = "") -> None:
         """An attempt's end: the job goes on or ends by :meth:`close`."""

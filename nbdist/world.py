@@ -25,16 +25,19 @@ class Hello:
     executor: str = ""
     #: A port reserved on the host for this rank's TensorFlow worker (its entry in TF_CONFIG).
     tf_port: int | None = None
+    #: Rank 0: a port reserved for JAX's coordinator (``NBDIST_JAX_COORDINATOR``).
+    jax_port: int | None = None
 
     @classmethod
     def from_event(cls, rank: int, event: Mapping[str, Any]) -> Hello:
         """A hello as it travels (JSON on the event channel or through Spark's allGather)."""
-        port, tf_port = event.get("port"), event.get("tf_port")
+        port, tf_port, jax_port = event.get("port"), event.get("tf_port"), event.get("jax_port")
         return cls(
             rank=rank, host=str(event.get("host")), port=port if isinstance(port, int) else None,
             gpus=tuple(str(g) for g in event.get("gpus") or ()), cpus=int(event.get("cpus") or 1),
             executor=str(event.get("executor") or ""),
             tf_port=tf_port if isinstance(tf_port, int) else None,
+            jax_port=jax_port if isinstance(jax_port, int) else None,
         )
 
     def on(self, host: str) -> bool:
@@ -62,7 +65,9 @@ def plan_world(
     N is worker N; worker 0 acts as chief), so ``tf.distribute.MultiWorkerMirroredStrategy()``
     needs no arguments; it is left out when a rank reserved no port. The
     ``KERAS_DISTRIBUTION_*`` variables point Keras 3's ``keras.distribution.initialize()``
-    (the JAX backend's coordinator) at MASTER_ADDR:MASTER_PORT.
+    (the JAX backend's coordinator) at MASTER_ADDR:MASTER_PORT. ``NBDIST_JAX_COORDINATOR`` is
+    rank 0's host and the port its supervisor held for plain JAX's coordinator, which
+    ``rank/jax_cluster.py`` hands to ``jax.distributed.initialize()``.
     """
     missing = sorted(set(range(world_size)) - set(hellos))
     if missing:
@@ -112,6 +117,9 @@ def plan_world(
             "KERAS_DISTRIBUTION_NUM_PROCESSES": str(world_size),
             "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
         }
+        if zero.jax_port is not None:
+            # jax.distributed.initialize() with no arguments (rank/jax_cluster.py).
+            env["NBDIST_JAX_COORDINATOR"] = address(zero.host, zero.jax_port)
         if tf_workers is not None:
             env["TF_CONFIG"] = json.dumps({
                 "cluster": {"worker": tf_workers}, "task": {"type": "worker", "index": rank},

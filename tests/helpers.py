@@ -45,7 +45,7 @@ def running_job(np: int = 2) -> JobState:
 def is_rank(proc: psutil.Process) -> bool:
     """A rank's interpreter: started fresh (it runs nbdist.rank.runtime), or forked by a zygote
     (it shows the zygote's command line, and so does its parent)."""
-    from nbdist.launch import executor_zygote, zygote
+    from nbdist.rank import executor_zygote, zygote
 
     cmd = " ".join(proc.cmdline())
     if "nbdist.rank.runtime" in cmd:

@@ -276,7 +276,7 @@ def flood(server: events.EventServer, n: int, size: int, limit_s: float = 110) -
     return Flood(peak - before, server.rejected - rejected, time.monotonic() - start)
 
 
-# -- the Spark executor zygote's Unix socket (``nbdist.launch.executor_zygote``) -------------------
+# -- the Spark executor zygote's Unix socket (``nbdist.rank.executor_zygote``) -------------------
 # One packet per message (SOCK_SEQPACKET), so the event server's lines become packets: the same
 # malformed inputs, without their newline, plus what only a packet socket carries.
 def zygote_greet(path: str, timeout: float = 30) -> tuple[socket.socket, str]:
@@ -293,7 +293,7 @@ def zygote_greet(path: str, timeout: float = 30) -> tuple[socket.socket, str]:
 
 def zygote_hello(path: str, secret: str) -> tuple[socket.socket, dict[str, object]]:
     """A connection that proved ``secret``, and the zygote's ``ready`` answer."""
-    from nbdist.launch import executor_zygote
+    from nbdist.rank import executor_zygote
 
     sock, nonce = zygote_greet(path)
     hello = {"t": "hello", "modules": [], "mac": executor_zygote.mac(secret, nonce)}
@@ -312,7 +312,7 @@ def zygote_rejected(path: str, secret: str) -> int:
 def zygote_malformed(secret: str) -> list[tuple[str, Payload, int]]:
     """(what, payload, how many pipe ends go with it) for every input tried on an executor
     zygote's socket; ``secret`` is the application's (for the cases that pass the MAC)."""
-    from nbdist.launch import executor_zygote
+    from nbdist.rank import executor_zygote
 
     def signed(modules: bytes) -> Payload:
         def build(nonce: str) -> bytes:
@@ -365,3 +365,30 @@ def zygote_send_each(path: str, cases: list[tuple[str, Payload, int]]) -> list[s
                 failed.append(f"{what} (its descriptors kept)")
             os.close(r)
     return failed
+
+
+# -- files and folders another local user can reach (HARDENING.md rules 1-3) --------------------
+#: The uid the folders of "another user" are given (nobody).
+STRANGER_UID = 65534
+
+
+def strangers_folder(path: str) -> str:
+    """Make ``path`` a folder as another local user would have made it first: theirs, mode
+    0777 (root only: ``chown``; the test is skipped otherwise)."""
+    import os
+
+    if os.getuid() != 0:
+        pytest.skip("making a folder of another user needs root (chown)")
+    os.makedirs(path, exist_ok=True)
+    os.chown(path, STRANGER_UID, STRANGER_UID)
+    os.chmod(path, 0o777)
+    return path
+
+
+def fifo(path: str) -> str:
+    """A named pipe at ``path`` that nobody reads: opening it to write blocks (or fails with
+    ``O_NONBLOCK``)."""
+    import os
+
+    os.mkfifo(path, 0o600)
+    return path

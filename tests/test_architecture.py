@@ -52,13 +52,15 @@ def _runtime_nodes(tree: ast.Module) -> Iterator[ast.AST]:
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _imports() -> dict[str, dict[str, set[str]]]:
-    """For each module of nbdist: the nbdist modules it imports (anywhere in it: at the top or
-    inside a function), and the names it imports from each."""
+def _imports(typing: bool = True) -> dict[str, dict[str, set[str]]]:
+    """For each module of nbdist: the nbdist modules it imports (anywhere in it: at the top,
+    inside a function, or, with ``typing``, only for type checking), and the names it imports
+    from each."""
     found: dict[str, dict[str, set[str]]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         imports: dict[str, set[str]] = {}
-        for node in _runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree) if typing else _runtime_nodes(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name.split(".")[0] == "nbdist":
@@ -75,14 +77,14 @@ def _imports() -> dict[str, dict[str, set[str]]]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    """Table name → the table names it imports. The package itself (``import nbdist``, for its
-    version or location) is left out: importing any module of nbdist runs it anyway."""
+def _graph(typing: bool = True) -> dict[str, set[str]]:
+    """Table name → the table names it imports (the package face, ``import nbdist``, is
+    ``__init__.py`` like any other module)."""
     graph: dict[str, set[str]] = {}
-    for module, imports in _imports().items():
+    for module, imports in _imports(typing).items():
         unit = _unit(module)
         graph.setdefault(unit, set())
-        graph[unit] |= {_unit(m) for m in imports if m != "nbdist" and _unit(m) != unit}
+        graph[unit] |= {_unit(m) for m in imports if _unit(m) != unit}
     return graph
 
 
@@ -105,6 +107,34 @@ def _column(title: str) -> dict[str, str]:
 def _table() -> dict[str, set[str]]:
     """The module table of docs/architecture.md: module → its "imports" column."""
     return {name: set(re.findall(r"`([^`]+)`", cell)) for name, cell in _column("imports").items()}
+
+
+#: The engine and its launchers: what neither the views nor the rank side import.
+ENGINE = {"job.py", "session.py", "elastic.py", "magics.py"}
+
+
+def _launchers(graph: dict[str, set[str]]) -> set[str]:
+    return {m for m in graph if m.startswith("launch/")}
+
+
+#: What a module's "must not" cell says it never imports, as a test of its "imports" cell: a
+#: phrase of the cell → the modules it rules out (None: any module of nbdist).
+MUST_NOT: dict[str, set[str] | None] = {
+    "import anything of nbdist": None,
+    "import anything but the standard library": None,
+    "import anything of the driver or the rank side": None,
+    "import launchers": {"launch/"},
+    "import the job layer": {"job.py", "session.py", "elastic.py"},
+    "import the engine": {"job.py", "session.py", "elastic.py", "launch/"},
+    "import IPython or widgets": {"magics.py", "views/"},
+    "know about widgets": {"views/"},
+    "render anything": {"views/"},
+    "import Spark, widgets or launchers": {"launch/", "views/"},
+    "import the kernel's Spark backend": {"launch/spark.py"},
+    "depend on the backend that started it": {"launch/"},
+    "know how a backend starts processes": {"launch/local.py", "launch/spark.py"},
+    "know how it is displayed": {"views/"},
+}
 
 
 #: What the views may read: the driver's model of jobs and what it is made of.
@@ -149,8 +179,8 @@ def test_no_module_imports_another_modules_private_names() -> None:
 
 def test_there_is_no_import_cycle() -> None:
     """The modules import each other one way only: data flows from the magics down to the
-    ranks, and from the events up to the views."""
-    graph = _graph()
+    ranks, and from the events up to the views (a cycle only type checking reads never runs)."""
+    graph = _graph(typing=False)
     cycles = []
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
@@ -188,15 +218,53 @@ def test_the_views_read_only_the_model() -> None:
     assert _graph()["views/"] <= MODEL, sorted(_graph()["views/"] - MODEL)
 
 
+def test_the_package_face_is_imported_by_no_module_of_the_library() -> None:
+    """No module of nbdist imports ``nbdist`` itself (its version is ``_version.py``), so what
+    runs on a rank's host never loads the package face and what it pulls in."""
+    wrong = sorted(m for m, deps in _graph().items()
+                   if m != "__init__.py" and "__init__.py" in deps)
+    assert not wrong, wrong
+
+
+def test_the_views_import_neither_the_engine_nor_the_launchers() -> None:
+    """Not even for type checking: a view reads what it renders by its shape."""
+    graph = _graph()
+    assert not graph["views/"] & (ENGINE | _launchers(graph)), sorted(graph["views/"])
+
+
+def test_the_must_not_column_agrees_with_the_imports_column() -> None:
+    """What a module's "must not" cell rules out importing, its "imports" cell does not name
+    (and so, by the test above, the code does not import)."""
+    must_not, table = _column("must not"), _table()
+    wrong = {}
+    for module, cell in must_not.items():
+        if cell == "import anything":  # the whole cell: nothing of nbdist at all
+            cell = "import anything of nbdist"
+        for phrase, banned in MUST_NOT.items():
+            if phrase not in cell:
+                continue
+            hits = table[module] if banned is None else {
+                d for d in table[module] if d in banned or any(
+                    b.endswith("/") and d.startswith(b) for b in banned)}
+            if hits:
+                wrong[module] = (phrase, sorted(hits))
+    assert not wrong, wrong
+
+
 def test_jobs_session_cells_and_restarting_jobs_share_one_result_handle() -> None:
-    """Job, SessionCell and ElasticJob are ``job.Handle`` and none of them writes what the base
-    writes once (result, results, error, retained_bytes, drop_values, done) again."""
+    """Job, SessionCell and ElasticJob are ``handle.Handle`` (the type ``nbdist.run`` returns,
+    exported as ``nbdist.Handle``) and none of them writes what the base writes once (result,
+    results, error, retained_bytes, drop_values, done, and ``_settle``, the one way each ends)
+    again."""
+    import nbdist
     from nbdist.elastic import ElasticJob
-    from nbdist.job import Handle, Job
+    from nbdist.handle import Handle
+    from nbdist.job import Job
     from nbdist.session import SessionCell
 
+    assert nbdist.Handle is Handle
     once = {"result", "results", "exception", "error", "lost_output", "retained_bytes",
-            "drop_values", "done"}
+            "drop_values", "done", "_settle", "settled"}
     for cls in (Job, SessionCell, ElasticJob):
         assert issubclass(cls, Handle), cls
         assert not once & set(vars(cls)), (cls, sorted(once & set(vars(cls))))

@@ -18,6 +18,7 @@ from nbdist import job as jobs
 from nbdist import logfiles
 from nbdist.errors import DistributedError
 from nbdist.rank import death
+from nbdist.settings import settings
 from nbdist.views import status
 
 from .helpers import Gate, running_job, wait_for
@@ -44,7 +45,8 @@ def test_rank_logs_append_per_rank_and_say_when_they_cannot(tmp_path: Path) -> N
     (tmp_path / "file").write_text("")
     bad = logfiles.RankLogs(str(tmp_path / "file" / "logs"))
     bad.write(0, "x\n")
-    assert bad.error is not None and "cannot write the ranks' logs" in bad.error
+    bad.close()  # written by a thread of its own: what was given is written (or failed) now
+    assert bad.error is not None and "cannot write the ranks' log files" in bad.error
 
 
 def test_status_names_the_logs_and_how_ranks_ended() -> None:
@@ -138,7 +140,8 @@ def test_an_old_oom_record_of_a_reused_pid_is_not_this_ranks(tmp_path: Path) -> 
     many hosts): a record logged before the rank's watch began is another process's."""
     now = death.log_clock()
     log = tmp_path / "kmsg"
-    old, new = int((now - 3600) * 1e6), int((now + 5) * 1e6)
+    # An hour before now, or boot itself on a machine up for less (a negative time is no record).
+    old, new = int(max(0.0, now - 3600) * 1e6), int((now + 5) * 1e6)
     log.write_text(
         f"3,101,{old},-;Memory cgroup out of memory: Killed process 4242 (python) "
         "total-vm:185724kB, anon-rss:94720kB, file-rss:5692kB, shmem-rss:0kB\n"
@@ -515,10 +518,10 @@ def test_stacks_are_taken_once_a_rank_is_quiet_when_configured(
         assert job.results == [0, 1]
         assert "rank 1 printed nothing for 1 s" in status.ranks_table(job.state)
         ip.run_line_magic("config", "DistMagics.stacks_when_quiet = -1")  # refused, logged
-        assert jobs.forensics.stacks_when_quiet == 1.0
+        assert settings.stacks_when_quiet == 1.0
     finally:
         ip.run_line_magic("config", "DistMagics.stacks_when_quiet = None")
-    assert jobs.forensics.stacks_when_quiet is None
+    assert settings.stacks_when_quiet is None
 
 
 # -- the debugger ---------------------------------------------------------------------------------

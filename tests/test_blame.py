@@ -1,13 +1,11 @@
-"""Which failed rank a job's error names first (``nbdist.blame``, ``Job._failure_error``)."""
+"""Which failed rank a job's error names first (``nbdist.blame``, ``endings.failure_error``)."""
 
 from __future__ import annotations
 
 import pytest
 
 import nbdist
-from nbdist import blame
-from nbdist import job as jobs
-from nbdist.launch.local import LocalLauncher
+from nbdist import blame, endings
 from nbdist.protocol import RankOutcome, RankStatus
 
 from .helpers import rank_processes, wait_for
@@ -25,9 +23,7 @@ def raised(rank: int, kind: str, message: str, ended: float | None = None) -> Ra
 
 
 def failure_of(failed: list[RankOutcome], np: int, heard: int | None) -> str:
-    job = jobs.Job(None, np, LocalLauncher())
-    job._first_failure = heard
-    return str(job._failure_error(failed))
+    return str(endings.failure_error("j1", np, failed, {}, heard))
 
 
 @pytest.mark.parametrize(("kind", "message"), [

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from nbdist import capture
 from nbdist.capture import capture_cell
 from nbdist.errors import CaptureError, CaptureWarning
+from nbdist.settings import settings
 
 
 def cuda_tensor() -> Any:
@@ -157,9 +157,8 @@ def test_an_optional_name_that_cannot_travel_is_left_to_the_cell(made: Any) -> N
 
 
 SYNTAX_REFUSALS = [
-    ("matplotlib", "%matplotlib inline", 2, ["`%matplotlib inline`", "plt.savefig"]),
     # IPython's transform drops leading blank lines; the line numbers must not move
-    ("after-blank-lines", "\n\nx = 1\n%matplotlib inline", 5, ["`%matplotlib inline`"]),
+    ("after-blank-lines", "\n\nx = 1\n%load_ext autoreload", 5, ["`%load_ext autoreload`"]),
     ("load-ext", "%load_ext autoreload", 2, ["%load_ext cannot run on the ranks",
                                               "run it in a normal cell"]),
     ("cell-magic-inside", "x = 1\n%%time\ny = 2", 3, ["%%time cannot run on the ranks",
@@ -222,11 +221,11 @@ def test_large_values_warn_with_name_and_size() -> None:
 
 
 def test_the_default_threshold_is_a_module_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Below the threshold nothing warns; lowering ``LARGE_VALUE_BYTES`` makes it warn."""
+    """Below the threshold nothing warns; lowering ``settings.large_value_mb`` makes it warn."""
     ns = {"__name__": "__main__", "big": bytes(200_000)}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         capture_cell("big", ns)  # 100 MB by default
-    monkeypatch.setattr(capture, "LARGE_VALUE_BYTES", 100_000)
+    monkeypatch.setattr(settings, "large_value_mb", 0.1)
     with pytest.warns(CaptureWarning, match="'big' .* over the 100.0 KB warning threshold"):
         capture_cell("big", ns)

@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 
 import nbdist
 import nbdist.launch.backends
-from nbdist import elastic, state
+from nbdist import elastic, settings, state
 from nbdist.elastic import AttemptEnd, judge
 from nbdist.protocol import RankOutcome, RankStatus
 from nbdist.views import status
@@ -426,7 +426,7 @@ def test_config_settings_reach_the_next_job(ip: Any, tmp_path: Path) -> None:
     uses when the cell gives none; a negative wait is refused naming the setting."""
     from traitlets import TraitError
 
-    assert elastic.settings.capacity_wait == elastic.CAPACITY_WAIT_S == 300
+    assert settings.settings.capacity_wait == settings.CAPACITY_WAIT_S == 300
     try:
         ip.run_line_magic("config", "DistMagics.capacity_wait = 7")
         ip.run_line_magic("config", f"DistMagics.checkpoint_root = {str(tmp_path)!r}")
@@ -437,11 +437,11 @@ def test_config_settings_reach_the_next_job(ip: Any, tmp_path: Path) -> None:
         magics = ip.magics_manager.registry["DistMagics"]  # %config shows the error, this raises
         with pytest.raises(TraitError, match="capacity_wait must be 0 or more seconds, not -1"):
             magics.capacity_wait = -1
-        assert elastic.settings.capacity_wait == 7
+        assert settings.settings.capacity_wait == 7
     finally:
-        ip.run_line_magic("config", f"DistMagics.capacity_wait = {elastic.CAPACITY_WAIT_S}")
+        ip.run_line_magic("config", f"DistMagics.capacity_wait = {settings.CAPACITY_WAIT_S}")
         ip.run_line_magic("config", "DistMagics.checkpoint_root = ''")
-    assert elastic.settings.checkpoint_root == ""
+    assert settings.settings.checkpoint_root == ""
 
 
 def test_usage_errors(ip: Any, no_session: None) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nbdist.launch import executor_zygote
+from nbdist.rank import executor_zygote
 
 from . import hostile
 from .helpers import wait_for

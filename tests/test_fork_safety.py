@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import nbdist
-from nbdist.launch import fork_safety, local
+from nbdist.launch import local
+from nbdist.rank import fork_safety
 from nbdist.state import JobState
 from nbdist.views import status
 

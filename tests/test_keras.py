@@ -98,17 +98,19 @@ def test_each_local_rank_gets_a_distinct_port_it_can_bind() -> None:
 
 
 def test_the_reservation_is_held_during_the_rendezvous() -> None:
-    """A supervisor's reserved port cannot be bound by anyone else until its rank starts."""
+    """A supervisor's reserved ports (every rank's TF port, rank 0's JAX coordinator port)
+    cannot be bound by anyone else until its rank starts."""
     from nbdist.rank.supervisor import RankSpec, Supervisor
 
-    sup = Supervisor(RankSpec(rank=1, world_size=2, job_id="j", secret="00", driver=("h", 1),
-                              payload=b""))
-    port = sup._hello()["tf_port"]
-    with socket.socket() as s, pytest.raises(OSError):
-        s.bind(("", port))
-    sup._release_tf_port()
-    with socket.socket() as s:
-        s.bind(("", port))
+    for rank, key in ((1, "tf_port"), (0, "jax_port")):
+        sup = Supervisor(RankSpec(rank=rank, world_size=2, job_id="j", secret="00",
+                                  driver=("h", 1), payload=b""))
+        port = sup._hello()[key]  # type: ignore[literal-required]
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("", port))
+        sup._release_ports()
+        with socket.socket() as s:
+            s.bind(("", port))
 
 
 # -- hints: known failures and what to do --------------------------------------------------------

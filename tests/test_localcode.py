@@ -4,6 +4,7 @@ installed packages never travel."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -14,13 +15,14 @@ import pytest
 
 import nbdist
 from nbdist import job as jobs
-from nbdist.capture import capture_cell
+from nbdist.capture import call_code, capture_cell
 from nbdist.errors import CaptureWarning, DistributedError
 from nbdist.options import JobOptions
 from nbdist.protocol import ShippedCode
 from nbdist.rank import localcode
 
 from .helpers import run
+from .hostile import strangers_folder
 
 HELPERS = "import nbdist_lc_other\n\ndef triple(x):\n    return 3 * nbdist_lc_other.one() * x\n"
 OTHER = "def one():\n    return 1\n"
@@ -94,6 +96,37 @@ def test_a_large_tree_warns_like_a_large_value(src: Path) -> None:
         capture_cell("import nbdist_lc_other\n", {}, warn_bytes=1000)
 
 
+def test_a_local_module_that_shadows_an_installed_one_is_warned_about(
+        src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``tqdm.py`` beside the notebook that the kernel imports instead of the installed tqdm
+    (or a local ``colorsys.py``, a standard module's name) makes capture warn, naming the file:
+    the ranks would import the installed one."""
+    (src / "tqdm.py").write_text("LOCAL = True\n")
+    (src / "colorsys.py").write_text("LOCAL = True\n")
+    monkeypatch.delitem(sys.modules, "tqdm", raising=False)
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    import tqdm
+
+    assert getattr(tqdm, "LOCAL", False)
+    with pytest.warns(CaptureWarning) as got:
+        capture_cell("import tqdm, colorsys\n", {})
+    messages = sorted(str(w.message) for w in got)
+    assert len(messages) == 2, messages
+    assert messages[0].startswith(f"the kernel imports colorsys from the notebook's own "
+                                  f"{src / 'colorsys.py'}, which shadows a standard module")
+    assert messages[1].startswith(f"the kernel imports tqdm from the notebook's own "
+                                  f"{src / 'tqdm.py'}, which shadows an installed package")
+    with pytest.warns(CaptureWarning, match="the ranks import the installed tqdm"):
+        call_code(_uses_tqdm, (tqdm,), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capture_cell("import json\n", {})  # the installed json: nothing to say
+
+
+def _uses_tqdm(module: Any) -> None:
+    pass
+
+
 def test_install_refuses_paths_that_leave_its_folder() -> None:
     """A shipped file whose path climbs out of the code's folder is refused on the rank."""
     with pytest.raises(ValueError, match="bad path '../x.py'"):
@@ -135,3 +168,54 @@ def test_without_shipped_code_the_rank_cannot_import_them(src: Path) -> None:
     job = jobs.start(payload, 1, JobOptions(backend="local", env={"PYTHONPATH": ""}))
     with pytest.raises(DistributedError, match="No module named 'nbdist_lc_helpers'"):
         job.result()
+
+
+@pytest.mark.slow
+def test_ranks_never_import_a_tampered_file_of_a_reused_code_folder(src: Path,
+                                                                    tmp_path: Path) -> None:
+    """A ``helpers.py`` changed in the digest folder a first run wrote is not imported by the
+    next run of the same code: the ranks verify the folder and run the shipped file."""
+    env = {"PYTHONPATH": "", "TMPDIR": str(tmp_path)}
+    payload = capture_cell("import nbdist_lc_helpers\nnbdist_lc_helpers.triple(2)\n",
+                           {}).payload()
+    assert jobs.start(payload, 1, JobOptions(backend="local", env=env)).result() == 6
+    code = payload["code"]
+    assert code is not None
+    folder = tmp_path / f"nbdist-code-{os.getuid()}" / code.digest
+    (folder / "nbdist_lc_helpers.py").write_text("def triple(x):\n    return 'attacker'\n")
+    assert jobs.start(payload, 1, JobOptions(backend="local", env=env)).result() == 6
+    assert (folder / "nbdist_lc_helpers.py").read_text() == HELPERS
+
+
+@pytest.mark.slow
+def test_ranks_refuse_a_code_folder_another_user_made_first(src: Path, tmp_path: Path) -> None:
+    """The ranks do not write or import shipped code in a ``nbdist-code-<uid>`` that another
+    user made first (0777): the job fails naming the folder."""
+    folder = strangers_folder(str(tmp_path / f"nbdist-code-{os.getuid()}"))
+    payload = capture_cell("import nbdist_lc_helpers\nnbdist_lc_helpers.triple(2)\n",
+                           {}).payload()
+    job = jobs.start(payload, 1, JobOptions(backend="local",
+                                            env={"PYTHONPATH": "", "TMPDIR": str(tmp_path)}))
+    with pytest.raises(DistributedError, match=f"{folder} belongs to uid 65534"):
+        job.result()
+    assert os.listdir(folder) == []
+
+
+@pytest.mark.slow
+def test_a_large_local_package_is_not_kept_after_its_job(src: Path) -> None:
+    """A package's large data file travels, but neither capture's cache nor the finished job
+    (its backend's rank specs and work) keeps its bytes or the payload's pickle
+    (benchmarks/bench_big_code.py measures the kernel's memory)."""
+    from nbdist.capture import _local
+
+    big = src / "nbdist_lc_pkg" / "weights.bin"
+    big.write_bytes(b"w" * (_local.CACHE_FILE_BYTES + 1))
+    payload = capture_cell("import nbdist_lc_pkg\nlen(nbdist_lc_pkg.__name__)\n", {}).payload()
+    code = payload["code"]
+    assert code is not None and "nbdist_lc_pkg/weights.bin" in dict(code.files)
+    assert _local._cache[str(big)][2] is None
+    job = jobs.start(payload, 2, JobOptions(backend="local", env={"PYTHONPATH": ""}))
+    assert job.result(timeout=120) == len("nbdist_lc_pkg")
+    sups = job.launcher._supervisors  # type: ignore[attr-defined]  # the local backend's
+    assert len(sups) == 2
+    assert all(s.spec.payload == b"" and s._work._payload == b"" for s in sups)

@@ -114,3 +114,42 @@ def test_data_notebook_trains_from_a_spark_dataframe() -> None:
     assert found is not None, texts[3]
     w1, w2, b = map(float, found.groups())
     assert abs(w1 - 3) < 0.1 and abs(w2 + 2) < 0.1 and abs(b - 1) < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_figures_notebook_shows_rank_zeros_figure() -> None:
+    """The figures notebook shows rank 0's Markdown and matplotlib figure below the panel."""
+    pytest.importorskip("matplotlib")
+    nb = nbformat.read(NOTEBOOKS / "06-figures.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    draw = [c for c in nb.cells if c.cell_type == "code"][1]
+    shown = [o for o in draw.outputs if o.output_type == "display_data"
+             and o.get("metadata", {}).get("nbdist", {}).get("rank") == 0]
+    assert [sorted(o.data) for o in shown] == [["text/markdown", "text/plain"],
+                                              ["image/png", "text/plain"]]
+    assert shown[0].data["text/markdown"].startswith("**rank 0**: slope 2.")
+    assert shown[1].data["text/plain"].startswith("[rank 0] <Figure size")
+    assert not any(o.get("metadata", {}).get("nbdist", {}).get("rank") == 1
+                   for o in draw.outputs)
+    result = [o for o in draw.outputs if o.output_type == "execute_result"]
+    assert result and result[0].data["text/plain"].startswith("2.")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax (nbdist[jax])")
+def test_frameworks_notebook_runs_plain_jax_and_resumes_fsdp2() -> None:
+    """Plain JAX initializes with no arguments and psums across both ranks; FSDP2 saves a
+    distributed checkpoint, loses rank 1, and both ranks resume from it with the saved weights."""
+    texts = execute("07-frameworks.ipynb")
+    jax = texts[1]
+    assert "[rank 0] process 0 of 2: psum = 3.0" in jax
+    assert "[rank 1] process 1 of 2: psum = 3.0" in jax
+    fsdp = texts[3]
+    assert "rank 1 was killed by SIGKILL" in fsdp and "restarted (rule 'signal')" in fsdp
+    for rank in (0, 1):
+        assert f"[rank {rank}] resumed at step 4; weights as saved: True" in fsdp
+        assert f"[rank {rank}] attempt 1 step 7: loss" in fsdp
+        assert f"[rank {rank}] attempt 0 step 4" not in fsdp  # attempt 0 ended at its checkpoint
+    assert "{'attempt': 1, 'resumed_at': 4, 'final_loss':" in fsdp

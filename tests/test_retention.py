@@ -1,5 +1,5 @@
 """What finished jobs keep: their values once (not the pickles too), and within
-``job.HISTORY_BYTES`` in all; a job whose values were let go says so."""
+``%config DistMagics.history_mb`` in all; a job whose values were let go says so."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import nbdist
 from nbdist import job as jobs
 from nbdist.errors import ValuesDroppedError
+from nbdist.settings import settings
 from nbdist.views import status
 
 from .helpers import Gate, run
@@ -64,7 +65,7 @@ def test_a_value_within_the_budget_is_kept_and_the_newest_always(
 ) -> None:
     """Small values of older jobs are kept while they fit; the newest job keeps its value even
     when it alone is over the budget."""
-    monkeypatch.setattr(jobs, "HISTORY_BYTES", 3_000_000)
+    monkeypatch.setattr(settings, "history_mb", 3_000_000 / 2**20)
     small = nbdist.run(_big, 1_000_000, 1, np=1, backend="local")
     assert len(small.result()) == 1_000_000
     big = nbdist.run(_big, 5_000_000, 2, np=1, backend="local")
@@ -81,7 +82,7 @@ def test_a_session_cell_s_values_are_bounded_too(
     ip: Any, monkeypatch: pytest.MonkeyPatch, no_session: None
 ) -> None:
     """Pulled values count toward the budget: an older pull's cell lets its value go."""
-    monkeypatch.setattr(jobs, "HISTORY_BYTES", 3_000_000)
+    monkeypatch.setattr(settings, "history_mb", 3_000_000 / 2**20)
     run(ip, "%dist_session start -np -1")
     run(ip, "%%distributed\na = bytes(2_000_000)\nb = bytes(2_000_000)")
     run(ip, "%dist_pull a")
@@ -99,7 +100,7 @@ def test_the_job_that_ended_last_keeps_its_values_whatever_the_start_order(
 ) -> None:
     """A job started first but ending last keeps its values; the one that ended before it,
     though started after it, lets its values go."""
-    monkeypatch.setattr(jobs, "HISTORY_BYTES", 3_000_000)
+    monkeypatch.setattr(settings, "history_mb", 3_000_000 / 2**20)
 
     def slow(n: int) -> bytes:
         gate.wait()

@@ -423,17 +423,14 @@ def test_a_job_that_restarts_is_built_without_launching_too() -> None:
 def test_a_rank_killed_by_a_signal_is_named_first_whoever_was_heard_first() -> None:
     """Rank 0 SIGKILLed in a collective, rank 1's connection-reset error heard first (a busy
     machine): the error names rank 0, the cause, and lists both."""
-    from nbdist import job as jobs
-    from nbdist.launch.local import LocalLauncher
+    from nbdist import endings
     from nbdist.protocol import RankOutcome, RankStatus
 
-    job = jobs.Job(None, 2, LocalLauncher())
-    job._first_failure = 1  # rank 1's failure reached the driver first
-    err = job._failure_error([
+    err = endings.failure_error("j1", 2, [
         RankOutcome(1, RankStatus.FAILED, error={"type": "RuntimeError", "traceback": "",
                                                  "message": "Connection reset by peer"}),
         RankOutcome(0, RankStatus.FAILED, exit_code=-9),
-    ])
+    ], {}, 1)  # rank 1's failure reached the driver first
     assert str(err).startswith("rank 0 of 2 failed: rank 0 was killed by SIGKILL"), str(err)
     assert "(ranks 1 failed after it)" in str(err) and set(err.failures) == {0, 1}
 

@@ -473,7 +473,7 @@ def test_the_packages_a_rank_imported_are_judged_once_per_file(
     wave = importlib.import_module("wave")  # the standard library: installed
     monkeypatch.setattr(runtime, "_installed", {})
     judged: list[str] = []
-    real = runtime.is_installed
+    from nbdist.rank.host import is_installed as real
 
     def is_installed(path: str, dirs: list[str]) -> bool:
         judged.append(path)

@@ -28,11 +28,8 @@ from nbdist.capture._api import Captured, call_code, capture_cell
 from nbdist.capture._ship import Import, Value
 from nbdist.capture._syntax import RANK_MAGICS
 
-__all__ = ["LARGE_VALUE_BYTES", "RANK_MAGICS", "Captured", "Import", "Value", "call_code",
-           "capture_cell"]
+__all__ = ["RANK_MAGICS", "Captured", "Import", "Value", "call_code", "capture_cell"]
 
-#: Values that pickle to more than this many bytes make capture warn (``CaptureWarning``):
-#: every rank receives a copy at start-up. ``%config DistMagics.large_value_mb = 500`` sets it
-#: for ``%%distributed``; ``capture_cell(warn_bytes=...)`` per call. Set it here
-#: (``nbdist.capture.LARGE_VALUE_BYTES = ...``): :func:`capture_cell` reads it at each call.
-LARGE_VALUE_BYTES = 100_000_000
+# Values that pickle to more than ``%config DistMagics.large_value_mb`` (``nbdist.settings``)
+# make capture warn (``CaptureWarning``): every rank receives a copy at start-up;
+# ``capture_cell(warn_bytes=...)`` per call.

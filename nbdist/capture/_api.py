@@ -12,18 +12,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import warnings
 from collections.abc import Callable, Collection, Container, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The package itself, for its setting ``LARGE_VALUE_BYTES`` (users set it there). It is only
-# partly initialised while this module loads; capture_cell reads it at call time.
-from nbdist import capture as _package
 from nbdist.capture import _launchers as launchers
 from nbdist.capture._export import function_source, write_export
-from nbdist.capture._local import objects_modules, shipped_code, source_imports
+from nbdist.capture._local import objects_modules, shadowing, shipped_code
 from nbdist.capture._scope import Flow, Need
 from nbdist.capture._shards import shard_only
 from nbdist.capture._ship import (
@@ -37,8 +35,10 @@ from nbdist.capture._ship import (
 )
 from nbdist.capture._syntax import CO_FUTURE_ANNOTATIONS, Lines, has_value, parse
 from nbdist.errors import CaptureError, CaptureWarning
+from nbdist.importscan import source_imports
 from nbdist.protocol import CellPayload, ShippedCode
 from nbdist.rank.shard import ShardPlan
+from nbdist.settings import settings
 
 
 @dataclass
@@ -129,7 +129,7 @@ def capture_cell(
         annotations`` done in an earlier cell is carried over from them.
     warn_bytes : int, optional
         Warn (``CaptureWarning``) about values that pickle to more bytes than this; default
-        :data:`nbdist.capture.LARGE_VALUE_BYTES`.
+        ``%config DistMagics.large_value_mb`` (``nbdist.settings``).
     remote_names : collection of str
         Names already defined on the ranks (a persistent session's earlier cells): neither
         shipped nor imported, so the notebook's values never shadow the ranks' own.
@@ -153,7 +153,7 @@ def capture_cell(
         shards=_shard_plans(sharded, shipping, user_ns, lines),
     )
     modules.update(i.module for i in imports)
-    limit = _package.LARGE_VALUE_BYTES if warn_bytes is None else warn_bytes
+    limit = settings.large_value_bytes if warn_bytes is None else warn_bytes
     if shipping:
         captured.values, captured.data, captured.left_out = ship(
             shipping, user_ns, lines, modules, replace=captured.shards)
@@ -163,7 +163,18 @@ def capture_cell(
     captured.code = shipped_code(modules)
     if captured.code is not None and captured.code.size > limit:
         warnings.warn(large_code_message(captured.code, limit), CaptureWarning, stacklevel=2)
+    for name, file in shadowing(modules):
+        warnings.warn(shadow_message(name, file), CaptureWarning, stacklevel=2)
     return captured
+
+
+def shadow_message(name: str, file: str) -> str:
+    """The warning for a notebook module that shadows an installed or standard one."""
+    what = "a standard module" if name in sys.stdlib_module_names else "an installed package"
+    return (f"the kernel imports {name} from the notebook's own {file}, which shadows "
+            f"{what} of that name: the ranks import the installed {name}, not this file, so "
+            f"they would run different code. Rename the file (and import it by its new name) "
+            f"to ship it to the ranks.")
 
 
 def call_code(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> ShippedCode | None:
@@ -171,10 +182,13 @@ def call_code(fn: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Ship
     those of ``fn`` (its module, what its code imports) and of the arguments' classes, with
     what they import; None when there are none. A large tree warns as in :func:`capture_cell`.
     """
-    code = shipped_code(objects_modules((fn, *args, *kwargs.values())))
-    limit = _package.LARGE_VALUE_BYTES
+    modules = objects_modules((fn, *args, *kwargs.values()))
+    code = shipped_code(modules)
+    limit = settings.large_value_bytes
     if code is not None and code.size > limit:
         warnings.warn(large_code_message(code, limit), CaptureWarning, stacklevel=3)
+    for name, file in shadowing(modules):
+        warnings.warn(shadow_message(name, file), CaptureWarning, stacklevel=3)
     return code
 
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import ast
 import functools
-import hashlib
 import os
 import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from nbdist.protocol import ShippedCode
+from nbdist.importscan import source_imports
+from nbdist.protocol import ShippedCode, code_digest
 
 #: Never shipped, whatever the path says: nbdist must be the ranks' own (a development
 #: checkout is found through a plain ``sys.path`` entry).
@@ -36,8 +36,13 @@ _SKIP_DIRS = frozenset({"__pycache__", ".git", ".ipynb_checkpoints", ".mypy_cach
                         ".pytest_cache", ".ruff_cache", "node_modules"})
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
-#: path → (mtime_ns, size, content, top-level names its source imports)
-_cache: dict[str, tuple[int, int, bytes, frozenset[str]]] = {}
+#: path → (mtime_ns, size, content or None, top-level names its source imports). The content
+#: of small files only (``CACHE_FILE_BYTES``, ``CACHE_BYTES`` in all): a large package's data
+#: is read again at each capture rather than kept in the kernel for its whole life.
+_cache: dict[str, tuple[int, int, bytes | None, frozenset[str]]] = {}
+CACHE_FILE_BYTES = 256 << 10
+CACHE_BYTES = 16 << 20
+_cached_bytes = 0
 
 
 def top_names(modules: Iterable[str]) -> set[str]:
@@ -55,15 +60,6 @@ def code_names(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= code_names(const)
     return names
-
-
-def source_imports(tree: ast.AST) -> Iterator[str]:
-    """Modules a syntax tree imports by absolute name."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module
 
 
 def objects_modules(objs: Iterable[Any]) -> set[str]:
@@ -123,12 +119,42 @@ def shipped_code(modules: Iterable[str]) -> ShippedCode | None:
             shipped.append((name + ("/" if is_package else ""), count, size))
     if not files:
         return None
-    digest = hashlib.sha256()
-    for rel in sorted(files):
-        digest.update(rel.encode() + b"\0" + str(len(files[rel])).encode() + b"\0")
-        digest.update(files[rel])
-    return ShippedCode(digest.hexdigest()[:32], tuple(sorted(files.items())),
+    return ShippedCode(code_digest(files.items()), tuple(sorted(files.items())),
                        tuple(sorted(shipped)))
+
+
+def shadowing(modules: Iterable[str]) -> list[tuple[str, str]]:
+    """(name, file) of the modules among ``modules`` that the kernel imported from the
+    notebook's own folders although the name is a standard module's or an installed
+    distribution's (a ``tqdm.py`` beside the notebook): the ranks would import the installed
+    one (nbdist never ships those names, and a rank may have imported it before the cell), so
+    the kernel and the ranks would run different code. Capture warns about each."""
+    roots = _local_roots()
+    here = _names_in(roots) if roots else set()
+    found = []
+    for name in sorted(top_names(modules) & here):  # a name no local folder holds is not
+        if name in _NEVER or not (name in sys.stdlib_module_names
+                                  or name in _distributed_names()):
+            continue
+        module = sys.modules.get(name)
+        if module is not None:
+            file = getattr(module, "__file__", None)
+        else:  # what the kernel would import
+            import importlib.util
+
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                continue
+            file = spec.origin if spec is not None else None
+        if not isinstance(file, str):
+            continue
+        folder = os.path.dirname(file)
+        if os.path.basename(file) == "__init__.py":
+            folder = os.path.dirname(folder)
+        if os.path.realpath(folder) in roots:
+            found.append((name, file))
+    return found
 
 
 def _local_roots() -> set[str]:
@@ -140,7 +166,7 @@ def _local_roots() -> set[str]:
 
 @functools.lru_cache(maxsize=8)
 def _roots_for(path: tuple[str, ...], cwd: str) -> frozenset[str]:
-    from nbdist.rank.runtime import installation_dirs, is_installed
+    from nbdist.rank.host import installation_dirs, is_installed
 
     dirs = installation_dirs()
     skip = _pth_dirs()
@@ -281,19 +307,28 @@ def _read(path: str) -> tuple[bytes, frozenset[str]] | None:
         st = os.stat(path)
     except OSError:
         return None
+    global _cached_bytes
     hit = _cache.get(path)
-    if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
+    fresh = hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size
+    if hit is not None and fresh and hit[2] is not None:
         return hit[2], hit[3]
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return None
+    if hit is not None and fresh:
+        return data, hit[3]
     imports: frozenset[str] = frozenset()
     if path.endswith(".py"):
         try:
             imports = frozenset(top_names(source_imports(ast.parse(data))))
         except (SyntaxError, ValueError):
             pass  # the rank reports it when it imports the module, as the kernel would
-    _cache[path] = (st.st_mtime_ns, st.st_size, data, imports)
+    if hit is not None and hit[2] is not None:
+        _cached_bytes -= len(hit[2])
+    keep = len(data) <= CACHE_FILE_BYTES and _cached_bytes + len(data) <= CACHE_BYTES
+    if keep:
+        _cached_bytes += len(data)
+    _cache[path] = (st.st_mtime_ns, st.st_size, data if keep else None, imports)
     return data, imports

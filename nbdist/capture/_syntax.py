@@ -24,7 +24,7 @@ from collections.abc import Callable
 from nbdist.errors import CaptureError
 
 #: Line magics that can run on a rank; ``RankShell`` in ``rank/shell.py`` implements them.
-RANK_MAGICS = frozenset({"pip", "sx", "system"})
+RANK_MAGICS = frozenset({"pip", "sx", "system", "matplotlib"})
 
 #: The compiler flag of ``from __future__ import annotations``: the only future feature that
 #: changes what capture must do (annotations are then never evaluated).
@@ -114,8 +114,6 @@ def has_value(tree: ast.Module, source: str, offset: int) -> bool:
 
 # -- what cannot run on a rank at all -----------------------------------------------------------
 _MAGIC_HINTS = {
-    "matplotlib": "ranks have no display to draw on; save figures to files "
-    "(plt.savefig(...)) on the ranks, or return the data and plot it in a normal cell",
     "load_ext": "extensions load into the notebook's kernel, not into the ranks; run it in a "
     "normal cell, and import in this cell what the ranks need",
     "reload_ext": "extensions live in the notebook's kernel; run it in a normal cell",
@@ -192,7 +190,7 @@ def _refuse_magic(node: ast.Call, method: str, name: str, lines: Lines) -> Captu
         )
     return CaptureError(
         f"{where}: %{name} cannot run on the ranks: {hint}. (On a rank only shell commands "
-        f"`!cmd`, `x = !cmd` and %pip run.)"
+        f"`!cmd`, `x = !cmd`, %pip and %matplotlib run.)"
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from nbdist import settings as _settings
 from nbdist.events import DriverAddress
 from nbdist.protocol import DriverEvent, LaunchRequest, RankOutcome
 
@@ -22,33 +23,12 @@ __all__ = ["Capacity", "LaunchRequest", "Launcher", "RankOutcome", "Settings", "
            "setting", "heartbeat_timeout", "check_heartbeat_timeout", "HEARTBEAT_TIMEOUT_S",
            "MIN_HEARTBEAT_TIMEOUT_S"]
 
-#: How long a remote rank and the driver each wait to hear from the other before they take
-#: it for gone (a network cut off, a host powered down: no connection reset ever comes).
-HEARTBEAT_TIMEOUT_S = 60.0
-#: Shorter timeouts would take a rank that missed one heartbeat on a busy host for gone.
-MIN_HEARTBEAT_TIMEOUT_S = 10.0
-
-
-@dataclass
-class Settings:
-    """The kernel's network settings for remote ranks (``%config DistMagics.<name>``).
-
-    None or "" means "not set here": the environment variable, then Spark's own setting,
-    apply (:func:`setting`).
-    """
-
-    #: The address Spark ranks connect to for the event channel (NBDIST_DRIVER_HOST).
-    driver_host: str = ""
-    #: A fixed port for the event channel, e.g. one forwarded into a container
-    #: (NBDIST_DRIVER_PORT); 0: any free port.
-    driver_port: int | None = None
-    #: Seconds without a word from the other side before a remote rank, or the driver, takes
-    #: it for gone (NBDIST_HEARTBEAT_TIMEOUT); 0 turns the keepalive off.
-    heartbeat_timeout: float | None = None
-
-
-#: Set by the magics' traits; read at every launch.
-settings = Settings()
+#: The network settings live with every other knob (``nbdist.settings``); the old names stay.
+settings = _settings.settings
+Settings = _settings.Settings
+HEARTBEAT_TIMEOUT_S = _settings.HEARTBEAT_TIMEOUT_S
+MIN_HEARTBEAT_TIMEOUT_S = _settings.MIN_HEARTBEAT_TIMEOUT_S
+check_heartbeat_timeout = _settings.check_heartbeat_timeout
 
 
 def gpus_text(n: int) -> str:
@@ -85,23 +65,6 @@ def heartbeat_timeout() -> float | None:
     if not value:
         return HEARTBEAT_TIMEOUT_S
     return check_heartbeat_timeout(value, source)
-
-
-def check_heartbeat_timeout(value: str | float, source: str) -> float | None:
-    """``value`` as a heartbeat timeout (None for 0: off), or a ValueError naming ``source``."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{source} must be a number of seconds, not {value!r}") from None
-    if seconds == 0:
-        return None
-    if not seconds >= MIN_HEARTBEAT_TIMEOUT_S:
-        raise ValueError(
-            f"{source}={value}: the heartbeat timeout must be at least "
-            f"{MIN_HEARTBEAT_TIMEOUT_S:g} s (ranks and driver each say something every 5 s), "
-            f"or 0 to turn the keepalive off"
-        )
-    return seconds
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ active), and only a backend that was imported can have started anything.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from nbdist.launch import Capacity, Launcher
@@ -33,6 +34,21 @@ def choose(np: int, backend: str = "auto") -> tuple[Launcher, int]:
     from nbdist.launch.local import LocalLauncher
 
     return LocalLauncher(), abs(np)
+
+
+def same_backend(launcher: Launcher) -> Callable[[], Launcher]:
+    """How to make a launcher like ``launcher`` again, from any thread (a job's restarts).
+
+    The active SparkSession is the calling thread's: it is taken now, in the thread that
+    started the job, since restarts are launched from a thread of the job's own.
+    """
+    if launcher.name == "spark":
+        from nbdist.launch.spark import SparkLauncher, active_session
+
+        session = active_session()
+        return lambda: SparkLauncher(session)
+    kind = type(launcher)
+    return lambda: kind()
 
 
 def spark_session() -> Any:

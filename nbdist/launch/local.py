@@ -25,7 +25,6 @@ from nbdist._timer import after
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
 from nbdist.launch import Capacity, gpus_text, no_gpu_hint
-from nbdist.launch.zygote import Zygote, installation_stamp, process_attributes
 from nbdist.protocol import (
     DriverEvent,
     Frame,
@@ -34,8 +33,9 @@ from nbdist.protocol import (
     RankOutcome,
     RankStatus,
 )
-from nbdist.rank import runtime
+from nbdist.rank import host
 from nbdist.rank.supervisor import RankProcess, RankSpec, Supervisor, Taken
+from nbdist.rank.zygote import Zygote, installation_stamp, process_attributes
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
 WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
@@ -81,10 +81,10 @@ def visible_gpus() -> list[str]:
 
 def _user_paths() -> str:
     """The kernel's sys.path entries a fresh interpreter would not have (added by the user)."""
-    dirs = runtime.installation_dirs()
+    dirs = host.installation_dirs()
     keep = []
     for entry in sys.path:
-        if not entry or not os.path.isdir(entry) or runtime.is_installed(entry, dirs):
+        if not entry or not os.path.isdir(entry) or host.is_installed(entry, dirs):
             continue
         keep.append(os.path.abspath(entry))
     old = os.environ.get("PYTHONPATH")

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import ast
-import dis
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
+
+from nbdist.importscan import code_imports, source_imports
 
 
 def payload_modules(payload: Mapping[str, Any]) -> tuple[str, ...]:
@@ -27,15 +28,15 @@ def payload_modules(payload: Mapping[str, Any]) -> tuple[str, ...]:
             fn = fn.func
         code = getattr(fn, "__code__", None)
         if isinstance(code, types.CodeType):
-            found.extend(_code_imports(code))
+            found.extend(code_imports(code))
     elif kind == "cell":
         found.extend(module for _, module, _ in payload.get("imports", ()))
         found.extend(payload.get("submodules", ()))
-        found.extend(_source_imports(str(payload.get("source", ""))))
+        found.extend(source_imports(str(payload.get("source", ""))))
     elif kind == "script":
         try:
             with open(str(payload.get("path")), encoding="utf-8") as f:
-                found.extend(_source_imports(f.read()))
+                found.extend(source_imports(f.read()))
         except (OSError, UnicodeDecodeError):
             pass
     return tuple(dict.fromkeys(m for m in found if m and not m.startswith(".")))
@@ -77,28 +78,3 @@ def payload_env(payload: Mapping[str, Any]) -> dict[str, str]:
             break
     return env
 
-
-def _code_imports(code: types.CodeType) -> Iterator[str]:
-    consts: list[Any] = []
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_CONST", "LOAD_SMALL_INT"):  # the latter: Python 3.14
-            consts.append(ins.argval)
-        elif ins.opname == "IMPORT_NAME":
-            # Compiled as LOAD_CONST level, LOAD_CONST fromlist, IMPORT_NAME name.
-            if len(consts) >= 2 and consts[-2] == 0:
-                yield str(ins.argval)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):  # nested functions, classes, comprehensions
-            yield from _code_imports(const)
-
-
-def _source_imports(source: str) -> Iterator[str]:
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module

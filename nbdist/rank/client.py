@@ -136,6 +136,8 @@ class EventClient:
         size = 0
         for event in events:
             size += len(event.get("text") or "") + 100  # what matters is the output text
+            if event.get("t") == "display":  # a figure: its bundle (``DisplayEvent.size``)
+                size += int(event.get("size") or 0)
             data = event.get("data")
             if isinstance(data, (bytes, bytearray, memoryview)):
                 size += memoryview(data).nbytes

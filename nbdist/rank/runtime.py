@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-import ctypes
 import importlib
 import io
 import json
@@ -37,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nbdist import _logcarry, values  # standard library only
 from nbdist.protocol import (
@@ -61,7 +60,8 @@ from nbdist.protocol import (
     read_frame,
 )
 from nbdist.rank import children as _children
-from nbdist.rank import debugger, localcode, reporting
+from nbdist.rank import debugger, host, jax_cluster, localcode, reporting, rich
+from nbdist.rank.host import installation_dirs, is_installed
 from nbdist.rank.shell import RankShell
 from nbdist.rank.streams import Pacer, flush_c_stdio
 
@@ -72,12 +72,6 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- running a payload ---------------------------------------------------------------------------
-def _display(*objs: Any, **kwargs: Any) -> None:
-    """IPython's ``display`` on a rank, which has no front end: print each object's repr."""
-    for obj in objs:
-        print(repr(obj))
-
-
 def _import(module: str, what: str, name: str) -> Any:
     try:
         return importlib.import_module(module)
@@ -100,7 +94,7 @@ def _namespace(payload: SessionKeys) -> dict[str, Any]:
         ns.update({"__name__": "__main__", "__builtins__": builtins})
         shell = RankShell(ns)
         ns["get_ipython"] = lambda: shell
-        ns["display"] = _display
+        ns["display"] = rich.display
     return ns
 
 
@@ -481,70 +475,6 @@ def _imported_since(before: set[str]) -> list[str]:
 _installed: dict[str, bool] = {}
 
 
-_SITE_NAMES = ("site-packages", "dist-packages")
-
-
-def installation_dirs() -> list[str]:
-    """Real paths of the directories this interpreter's packages are installed in: its standard
-    library, its site directories, and any ``site-packages``/``dist-packages`` on sys.path."""
-    import site
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    dirs = [paths.get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
-    try:
-        dirs += site.getsitepackages()
-    except AttributeError:  # the site module of an old virtualenv
-        pass
-    if site.ENABLE_USER_SITE:
-        dirs.append(site.getusersitepackages())
-    dirs += [e for e in sys.path if e and os.path.basename(os.path.normpath(e)) in _SITE_NAMES]
-    return sorted({os.path.realpath(d) for d in dirs if d})
-
-
-def is_installed(path: str, dirs: list[str]) -> bool:
-    """Whether ``path``, symlinks followed, lies in one of ``dirs`` (``installation_dirs``).
-
-    A real path with a separator boundary: a notebook folder named like the environment
-    (``<venv>-notebooks``) or a development checkout symlinked into site-packages is the
-    user's code, which may be edited, not part of the installation.
-    """
-    real = os.path.realpath(path)
-    return any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
-
-
-def module_files(known: dict[str, tuple[int, int]], since_ns: int) -> dict[str, tuple[int, int]]:
-    """``(mtime_ns, size)`` of the files of loaded modules not in ``known``.
-
-    A file modified after ``since_ns`` (when the imports that loaded it began) may have been
-    read before or after the change: it is recorded as ``(-1, -1)``, which ``changed_file``
-    reports as changed, so the doubt costs a restart, never stale code.
-    """
-    found = {}
-    for module in list(sys.modules.values()):
-        path = getattr(module, "__file__", None)
-        if not isinstance(path, str) or not os.path.isabs(path) or path in known:
-            continue
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        found[path] = (st.st_mtime_ns, st.st_size) if st.st_mtime_ns < since_ns else (-1, -1)
-    return found
-
-
-def changed_file(files: dict[str, tuple[int, int]]) -> str | None:
-    """The first of ``files`` (``module_files``) whose size or mtime is not as recorded."""
-    for path, (mtime, size) in files.items():
-        try:
-            st = os.stat(path)
-        except OSError:
-            return path
-        if (st.st_mtime_ns, st.st_size) != (mtime, size):
-            return path
-    return None
-
-
 #: Set while a payload runs: a SIGINT raises KeyboardInterrupt in the user's code then, and is
 #: ignored while the rank waits or reports.
 _interruptible = threading.Event()
@@ -611,13 +541,19 @@ def _install_code(digest: str, files: tuple[tuple[str, bytes], ...],
 
 
 def _load_payload(data: bytes) -> Payload:
-    loaded: Payload = _PayloadLoader(io.BytesIO(data)).load()
+    stream = io.BytesIO(data)
+    loaded: Payload = _PayloadLoader(stream).load()
+    if loaded["kind"] == "push" and "data" not in loaded:
+        # A large push: its value's pickle follows the payload's in the frame (PushPayload).
+        # (a view, not a copy: load_values reads any bytes-like object)
+        cast(Any, loaded)["data"] = memoryview(data)[stream.tell():]
     return loaded
 
 
 def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> None:  # noqa: C901 - one branch per frame kind
     import cloudpickle
 
+    keeping = False  # the last payload's "keep": a session's rank serves on after an error
     while True:
         frame = inbox.get()
         if frame is None or frame[0] == Frame.QUIT:
@@ -629,9 +565,19 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
         if frame[0] == Frame.ENV:
             _set_env(json.loads(frame[1]))
             continue
-        payload: Payload = _load_payload(frame[1])
+        try:
+            payload: Payload = _load_payload(frame[1])
+        except Exception as exc:
+            # Its shipped code could not be installed (a code folder another user made), a
+            # value could not be unpickled: the user's error, said as one, not a crash.
+            chan.send(Frame.ERROR, json.dumps(_format_error(exc)).encode())
+            if not keeping:
+                return
+            continue
+        keeping = bool(payload.get("keep"))
         try:
             reporting.bridge_tqdm()
+            rich.install()  # display() and matplotlib's figures reach the notebook
             chan.event({"t": "state", "state": "running"})
             try:
                 _interruptible.set()
@@ -643,6 +589,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                     # raised in this cleanup (skipping the rest of it, and leaving the next
                     # interrupt to end the serve loop, and the rank, between cells).
                     _interruptible.clear()
+                    rich.flush_figures()  # the cell's open figures, as the inline backend
                     # What follows (the end mark, modules, names, value or error) goes to the
                     # supervisor in one write (see ``FrameWriter.hold``).
                     chan.hold()
@@ -744,11 +691,11 @@ def _guard_forks(pacer: Pacer) -> None:
 
 
 def main(guard: bool = True) -> None:
-    """Run the rank; ``guard``: first leave a guardian behind (``_guard``), unless the caller
+    """Run the rank; ``guard``: first leave a guardian behind (``host.guard``), unless the caller
     is one already (a zygote, which forks this rank)."""
     global _sync_marker
     if guard:
-        _guard()
+        host.guard()
     _sync_marker = os.environ.pop("NBDIST_SYNC", "").encode()
     fd_in = int(os.environ.pop("NBDIST_CTL_IN"))
     fd_out = int(os.environ.pop("NBDIST_CTL_OUT"))
@@ -768,6 +715,9 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.DEBUG:
                 debugger.inbox.put(frame[1].decode("utf-8", "replace"))
                 continue
+            if frame[0] == Frame.STACKS:
+                _dump_stacks_here()
+                continue
             inbox.put(frame)
         inbox.put(None)
         debugger.inbox.put(None)
@@ -778,12 +728,13 @@ def main(guard: bool = True) -> None:
     done = threading.Event()
     signal.signal(signal.SIGINT, _on_sigint)
     _AT_START.update(sys.modules)
-    become_subreaper()
+    host.become_subreaper()
     _keep_outputs()
     threading.Thread(target=watch, name="nbdist-watch", daemon=True).start()
     pacer = Pacer()
     pacer.install()
     _guard_forks(pacer)
+    jax_cluster.install()  # jax.distributed.initialize() finds the job, if the cell uses JAX
     ready: StateEvent = {"t": "state", "state": "ready", "pid": os.getpid(), "at": time.time()}
     debugger.install(lambda text: chan.event({"t": "debug", "text": text}))
     stacks = register_stack_dumps()
@@ -837,103 +788,18 @@ def register_stack_dumps() -> str | None:
     return path
 
 
-def become_subreaper() -> bool:
-    """Adopt orphaned descendants, so that even a double-forked daemon stays findable."""
-    if sys.platform.startswith("linux"):
+def _dump_stacks_here() -> None:
+    """Write every thread's stack to the dump file from this thread, without a signal (the
+    supervisor asks so where ``STACKS_SIGNAL`` would end the rank, be lost, or cut short a
+    system call: ``rank/signals.py``). Needs the GIL, which a rank stuck in C code holding it
+    does not give: the supervisor then reads the stacks from outside (py-spy) or says why not."""
+    import faulthandler
+
+    if _stacks_file is not None:
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            return bool(libc.prctl(36, 1, 0, 0, 0) == 0)  # 36: PR_SET_CHILD_SUBREAPER
-        except (OSError, AttributeError):
-            pass
-    return False
-
-
-def _guard() -> None:
-    """Fork; the parent stays behind as the rank's guardian, the child goes on as the rank.
-
-    A rank kills what it started when it ends, and adopts what its children orphan while it
-    runs (it is a child subreaper). But when it dies at once (``os._exit``, SIGKILL, a
-    segfault), a process it started in a session of its own (``setsid``,
-    ``start_new_session=True``) would be orphaned to init and live on, holding the rank's
-    output pipes. Something that outlives the rank must adopt those and end them: the
-    guardian, a child subreaper that waits for the rank, kills every process that comes to it
-    once the rank is gone, and then ends as the rank ended (the same exit code, or the same
-    signal), which is what its supervisor sees. Not the kernel (it would adopt every orphan of
-    the notebook's own processes), and not Spark's Python worker (reused for later tasks): a
-    process of the rank's own. A rank forked by a zygote has the zygote as its guardian.
-
-    The guardian holds none of the rank's pipes (its stdout and stderr go to /dev/null), and
-    ignores SIGINT, SIGTERM and SIGHUP so that a cancel reaches the rank and the guardian
-    still cleans up after it; SIGKILL to the process group ends both.
-    """
-    if not become_subreaper():
-        return  # not Linux: the rank kills what it can find when it ends, as before
-    rank = os.fork()
-    if rank == 0:
-        return  # the rank (the subreaper attribute is not inherited: main() sets its own)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # taken by sigtimedwait
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    for name in ("NBDIST_CTL_IN", "NBDIST_CTL_OUT"):
-        try:
-            os.close(int(os.environ[name]))
-        except (KeyError, ValueError, OSError):
-            pass
-    code = os.waitstatus_to_exitcode(os.waitpid(rank, 0)[1])
-    end_orphans(within=ORPHANS_GRACE_S)
-    if code < 0:  # end by the same signal, without a core dump of the guardian's own
-        try:
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            signal.signal(-code, signal.SIG_DFL)
-        except (ImportError, OSError, ValueError):
-            pass
-        os.kill(os.getpid(), -code)
-        code = 128 - code  # a signal whose default is not to end the process
-    os._exit(code)
-
-
-#: How long a guardian waits for the orphans it killed to end (a process stuck in the kernel,
-#: in D state, cannot be killed: the guardian then ends anyway rather than hold up the job).
-ORPHANS_GRACE_S = 5.0
-
-
-def end_orphans(keep: frozenset[int] = frozenset(), within: float | None = None) -> None:
-    """Kill every child of this process but ``keep`` (a subreaper's orphans), and reap them.
-
-    A killed orphan's own children come to this process as it dies, and are killed in the
-    next round, until none is left or ``within`` seconds passed (SIGCHLD is blocked by then:
-    see ``_guard``). Without ``within`` (the zygote, whose ranks go on), one round: kill, and
-    leave the reaping to the caller's next SIGCHLD.
-    """
-    deadline = time.monotonic() + (within or 0.0)
-    while True:
-        try:
-            import psutil
-
-            for child in psutil.Process().children():
-                if child.pid not in keep:
-                    try:
-                        child.kill()
-                    except psutil.Error:
-                        pass
-        except Exception:  # psutil missing or /proc unreadable: reaping still ends them
-            pass
-        if within is None:
-            return
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            return  # none left
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        signal.sigtimedwait([signal.SIGCHLD], left)  # pending already if one ended meanwhile
+            faulthandler.dump_traceback(file=_stacks_file, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass  # the supervisor reports no dump within its wait
 
 
 def _kill_descendants() -> None:

@@ -65,6 +65,10 @@ class RankShell:
             return self._run(f"{shlex.quote(sys.executable)} -m pip {line}", capture=False)
         if name in ("sx", "system"):
             return self._run(line, capture=True)
+        if name == "matplotlib":
+            # A rank draws with nbdist's backend (``nbdist.rank.rich``) whatever it asks: its
+            # figures reach the notebook as inline ones do.
+            return None
         raise RuntimeError(
             f"%{name} is an IPython magic and cannot run on a rank; run it in a normal cell"
         )

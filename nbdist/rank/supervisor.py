@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import queue
+import re
 import secrets
 import selectors
 import shutil
@@ -49,7 +50,9 @@ from nbdist.protocol import (
     StacksEvent,
     read_frame,
     write_frame,
+    write_frame_parts,
 )
+from nbdist.rank import signals
 from nbdist.rank.cells import JobWork, RankWork, SessionCells
 from nbdist.rank.client import EventClient
 from nbdist.rank.death import OomWatch
@@ -206,6 +209,18 @@ class RankProcess:
                 raise
         return True
 
+    def send_parts(self, kind: int, parts: list[bytes]) -> bool:
+        """:meth:`send` of a frame whose body is ``parts`` joined, written without joining."""
+        with self._send_lock:
+            try:
+                write_frame_parts(self.ctl_in, kind, parts)
+            except (BrokenPipeError, ValueError):
+                return False
+            except BaseException:
+                self._abandon()
+                raise
+        return True
+
     def _abandon(self) -> None:
         """Close the control pipe without writing what its buffer holds (half a frame)."""
         try:
@@ -353,11 +368,15 @@ class Supervisor:
         #: What the rank runs: all that differs between a job's rank and a session's.
         self._work: RankWork = (SessionCells(spec.secret, self._send_all, self._rank_rss)
                                 if spec.session else JobWork(spec.payload))
+        # The work holds the payload until it is sent; the spec (kept by the backend with the
+        # job) need not (a large notebook package was kept in the kernel after its job).
+        spec.payload = b""
         self._killer: threading.Timer | None = None  # SIGKILL after SIGTERM's grace period
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._stacks_path: str | None = None  # where the rank writes its stack dumps
         self._stacks_lock = threading.Lock()  # one dump at a time
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
+        self._jax_reservation: socket.socket | None = None  # rank 0: JAX's coordinator, the same
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
         self.marks: dict[str, float] = {}
         #: Called with each new mark's name, from the thread that made it (a backend's hook:
@@ -466,7 +485,7 @@ class Supervisor:
             ended.set()
             if self._killer is not None:
                 self._killer.cancel()  # the SIGKILL below makes it moot; no thread outlives us
-            self._release_tf_port()
+            self._release_ports()
             self._kill_group(signal.SIGKILL)
             if self._rp is not None:
                 self._rp.close()
@@ -487,16 +506,23 @@ class Supervisor:
         if self._tf_reservation is not None:
             hello["tf_port"] = self._tf_reservation.getsockname()[1]
         if spec.rank == 0:
+            # JAX's coordinator (jax.distributed.initialize(), rank/jax_cluster.py) gets a port
+            # of its own, held like the TF port, so a cell may use torch.distributed too.
+            self._jax_reservation = _reserve_port()
+            if self._jax_reservation is not None:
+                hello["jax_port"] = self._jax_reservation.getsockname()[1]
             hello["port"] = channel.free_port()
         if spec.executor:
             hello["executor"] = spec.executor
         return hello
 
-    def _release_tf_port(self) -> None:
-        """Free the reserved TensorFlow port for the rank to bind (TF binds all interfaces)."""
-        held, self._tf_reservation = self._tf_reservation, None
-        if held is not None:
-            held.close()
+    def _release_ports(self) -> None:
+        """Free the reserved TensorFlow and JAX ports for the rank to bind (both bind all
+        interfaces)."""
+        for held in (self._tf_reservation, self._jax_reservation):
+            if held is not None:
+                held.close()
+        self._tf_reservation = self._jax_reservation = None
 
     def _connect(self, hello: HelloEvent) -> None:
         spec = self.spec
@@ -601,7 +627,7 @@ class Supervisor:
 
     def _spawn(self) -> Proc | None:
         spec = self.spec
-        self._release_tf_port()
+        self._release_ports()
         world = dict(self._world_env)
         if "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in spec.env:
             world.pop("OMP_NUM_THREADS", None)  # the user's setting wins
@@ -757,24 +783,44 @@ class Supervisor:
 
     def stacks(self, timeout: float = STACKS_S) -> tuple[str, str]:
         """The stacks of every thread of the rank (``faulthandler``'s text), and "" — or ""
-        and why there are none."""
-        path, pid, proc = self._stacks_path, self._rank_pid, self._proc
+        and why there are none.
+
+        ``STACKS_SIGNAL`` goes to the rank only where it is safe (``signals.hazard``: its
+        dispositions and what its threads wait in). Elsewhere (a library reset the handler,
+        the rank sleeps in C) nothing is signalled: the rank's control-pipe thread writes the
+        dump (``Frame.STACKS``), and where that gives none (the GIL held in C code), py-spy
+        reads the Python frames from outside; failing that the rank is named with why.
+        """
+        path, pid, proc, rp = self._stacks_path, self._rank_pid, self._proc, self._rp
         if proc is None or proc.poll() is not None or pid is None:
             return "", "the rank is not running"
         if path is None:
             return "", ("the rank's interpreter takes no stack dumps (no SIGUSR2 on this "
                         "platform, or no temporary folder it could write them to)")
+        sig = getattr(signal, protocol.STACKS_SIGNAL)
         with self._stacks_lock:
+            hurt = signals.hazard(pid, sig)
             try:
                 with open(path, "rb") as f:
                     start = f.seek(0, os.SEEK_END)
-                    os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+                    if not hurt:
+                        os.kill(pid, sig)
+                    elif rp is None or not rp.send(Frame.STACKS, b""):
+                        return "", f"not signalled ({hurt}), and its control pipe is closed"
                     data = _read_dump(f, start, timeout)
             except OSError as exc:
                 return "", f"its stacks could not be read: {exc}"
-        if not data:
+        if data:
+            return data.decode("utf-8", "replace"), ""
+        if not hurt:
             return "", f"no stack dump within {timeout:g} s"
-        return data.decode("utf-8", "replace"), ""
+        outside = python_stacks(pid)
+        if outside.startswith("Thread"):
+            return outside, ""
+        return "", (f"unreachable: not signalled ({hurt}); its own thread gave no stacks "
+                    f"within {timeout:g} s (C code holding the GIL?)"
+                    + (f"; {outside.strip('()')}" if outside else
+                       "; py-spy is not installed to read them from outside"))
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
@@ -981,6 +1027,37 @@ def native_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
     lines = done.stdout.splitlines()
     first = next((i for i, line in enumerate(lines) if line.startswith("Thread ")), 0)
     return "\n".join(lines[first:])
+
+
+def python_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
+    """The rank's Python stacks read from outside by ``py-spy dump`` (no signal: the rank is
+    paused for the moment it takes, and a system call it is in resumes), in ``faulthandler``'s
+    text (``nbdist.stacks.parse`` reads it); "" without py-spy; a line in parentheses saying
+    why it could not."""
+    exe = py_spy()
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=timeout, check=False, errors="replace")
+    except subprocess.TimeoutExpired:
+        return f"(py-spy gave no stacks within {timeout:g} s)"
+    except OSError as exc:
+        return f"(py-spy could not run: {exc})"
+    if done.returncode != 0:
+        why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}")
+        return f"(py-spy could not read the stacks: {why.splitlines()[-1]})"
+    out: list[str] = []
+    for line in done.stdout.splitlines():
+        if line.startswith("Thread "):
+            out.append(f"Thread 0x{len(out):016x} (py-spy, most recent call first):")
+        elif (hit := _PY_SPY_FRAME.match(line)) is not None and out:
+            out.append(f'  File "{hit["file"]}", line {hit["line"]} in {hit["func"]}')
+    return "\n".join(out)
+
+
+#: A frame of ``py-spy dump``: ``    func (file:line)``.
+_PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>.+):(?P<line>\d+)\)$")
 
 
 def _read_dump(f: Any, start: int, timeout: float) -> bytes:

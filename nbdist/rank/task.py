@@ -1,7 +1,7 @@
 """A Spark barrier task's side of a rank: on the executor, work out the rank's host, GPUs and
 Python path from ``BarrierTaskContext``, then hand over to the same supervisor that local ranks
 use (``rank/supervisor.py``), forking the rank from the executor's zygote when there is one
-(``launch/executor_zygote.py``). The closure that calls :func:`run_task` is built by the
+(``rank/executor_zygote.py``). The closure that calls :func:`run_task` is built by the
 kernel's Spark backend (``launch/spark.py``) and pickled by value.
 """
 
@@ -34,14 +34,14 @@ def run_task(
     task) may stand for the event channel."""
     import json
 
-    import nbdist
+    from nbdist._version import __version__
     from nbdist.rank.supervisor import RankSpec, Supervisor
 
-    if nbdist.__version__ != version:
+    if __version__ != version:
         return {"status": RankStatus.FAILED.value, "error": {
             "type": "ImportError", "traceback": "",
             "message": f"the notebook has nbdist {version} but the Spark executors' Python "
-            f"({sys.executable}) has nbdist {nbdist.__version__}: install the same version on "
+            f"({sys.executable}) has nbdist {__version__}: install the same version on "
             f"both",
         }}
     launch = LaunchRequest(**request)
@@ -122,7 +122,7 @@ def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
     """The task's handle on its executor's zygote, already connecting; None when off."""
     if warm is None:
         return None
-    from nbdist.launch.executor_zygote import ExecutorZygote, supported
+    from nbdist.rank.executor_zygote import ExecutorZygote, supported
 
     if not supported():
         return None
@@ -181,7 +181,7 @@ def _worker_pythonpath() -> dict[str, str]:
     Files shipped with ``addPyFile`` or ``--py-files`` are put on the worker's ``sys.path`` at
     run time, not in its environment; the rank's fresh interpreter would not see them.
     """
-    from nbdist.rank.runtime import installation_dirs, is_installed
+    from nbdist.rank.host import installation_dirs, is_installed
 
     dirs = installation_dirs()
     keep = [

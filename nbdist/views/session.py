@@ -4,16 +4,54 @@ from __future__ import annotations
 
 import time
 from html import escape
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from nbdist.session import Session
+from nbdist.state import JobState
+
+
+class _Launcher(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class _Cell(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+class SessionModel(Protocol):
+    """What the report reads of a session (``session.Session`` is one): the views read the
+    model, never the session layer itself."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def np(self) -> int: ...
+    @property
+    def state(self) -> JobState: ...
+    @property
+    def rss(self) -> dict[int, int]: ...
+    @property
+    def broken(self) -> str | None: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def busy(self) -> _Cell | None: ...
+    @property
+    def idle_since(self) -> float: ...
+    @property
+    def idle_timeout(self) -> float | None: ...
+    @property
+    def warning(self) -> str: ...
+    @property
+    def launcher(self) -> _Launcher: ...
+    def defined_names(self) -> set[str]: ...
 
 
 class SessionReport:
     """``%dist_session``: the session's ranks, hosts, GPUs, memory, names and idle time."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: SessionModel) -> None:
         self.session = session
 
     def rows(self) -> list[tuple[str, ...]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from nbdist.protocol import size_text
 from nbdist.state import (
@@ -31,8 +31,21 @@ from nbdist.state import (
 )
 
 if TYPE_CHECKING:
-    from nbdist.launch import Capacity
     from nbdist.protocol import ProgressEvent
+
+
+
+class Capacity(Protocol):
+    """What ``%dist_status`` shows of a backend's capacity (``launch.Capacity`` is one): the
+    views read it by shape, never import the launchers."""
+
+    @property
+    def slots(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def detail(self) -> str: ...
+
 
 STATE_COLORS = {
     PENDING: "#9e9e9e", STARTING: "#5c6bc0", RUNNING: "#1e88e5",
@@ -132,6 +145,9 @@ def header_html(job: JobState) -> str:
         text += f"<br><b class='nbdist-note'>{html.escape(job.note)}</b>"
     if job.status in FINAL and job.reason:
         text += f"<br><span style='color:#555'>{html.escape(job.reason.splitlines()[0])}</span>"
+    if job.log_error:
+        text += f"<br><span class='nbdist-log-error' style='color:#c62828'>" \
+                f"{html.escape(job.log_error)}</span>"
     return text
 
 
@@ -369,7 +385,9 @@ def ends_lines(job: JobState) -> list[str]:
     if job.forensics:
         lines.append("where the ranks were (stacks nbdist took):")
         lines += [f"  {line}" for line in job.forensics.splitlines()]
-    if job.log_dir:
+    if job.log_dir and job.log_error:
+        lines.append(f"logs: {job.log_error}")
+    elif job.log_dir:
         lines.append(f"logs: every line of rank R in {job.log_dir}/rank-R.log "
                      f"(%dist_status {job.id} --rank R --lines N shows its end)")
     return lines

@@ -51,6 +51,7 @@ class TextView(BackgroundRenderer):
         self._note_at = 0.0
         self._notes_seen = 0  # of the job's notes (JobState.notes_set)
         self._pending = ""  # a countdown not written yet (written STATUS_EVERY_S apart)
+        self._log_error_said = False  # JobState.log_error, written once
         self._summary = ""
         self._summary_at = 0.0
         self._width = len(str(max(job.np - 1, 0)))
@@ -65,6 +66,14 @@ class TextView(BackgroundRenderer):
         with self._lock:
             if not self._closed:
                 self._update()
+
+    def _say_log_error(self, out: TextIO) -> bool:
+        """Write the job's log error (``JobState.log_error``) once; whether it wrote."""
+        if not self.job.log_error or self._log_error_said:
+            return False
+        out.write(f"[nbdist] {self.job.log_error}\n")
+        self._log_error_said = True
+        return True
 
     def _update(self, *, final: bool = False) -> None:
         lines, skipped = self.job.lines_since(self._seq)
@@ -92,6 +101,7 @@ class TextView(BackgroundRenderer):
             out.write(f"[nbdist] {note}\n")
             self._note, self._note_at = note, now
             wrote = True
+        wrote = self._say_log_error(out) or wrote
         if self._pending and (final or now - self._note_at >= STATUS_EVERY_S):
             out.write(f"[nbdist] {self._pending}\n")
             self._note, self._note_at, self._pending = self._pending, now, ""

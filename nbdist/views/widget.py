@@ -37,6 +37,7 @@ from nbdist.state import (
     DONE,
     FAILED,
     FINAL,
+    Display,
     JobState,
     RankState,
     Summary,
@@ -79,6 +80,15 @@ FILTER_ROWS = 64
 LOG_VIEW_LINES = 200
 #: Characters of a rank's last line shown in its row.
 LAST_LINE_CHARS = 120
+#: Rich displays (``display()``, figures) a rank's pane keeps, newest last, and their bytes at
+#: most: an output widget's outputs are resent whole at every change.
+PANE_DISPLAYS = 8
+PANE_DISPLAY_BYTES = 16 * 1024 * 1024
+#: The panes' displays change at most this often (the final render shows the rest).
+DISPLAY_EVERY_S = 1.0
+#: Displays of rank 0 shown below the panel, at most; later ones are in its pane only (a rank
+#: that draws in a loop must not flood the notebook).
+BELOW_DISPLAYS = 50
 
 # The log pane is a column-reverse flex box so that it stays scrolled to its newest line
 # without any script; its <pre> must not shrink, or nothing overflows and the top shows.
@@ -258,11 +268,20 @@ class Panel(BackgroundRenderer):
             for r in self.pane_ranks
         ]
         names = [("all ranks" if r is None else f"rank {r}") for r in self.pane_ranks]
-        first: w.Widget = self.panes[0]
+        # Each rank's rich displays, under its log (a large job's: the picked rank's).
+        self.figures = [w.Output(_dom_classes=("nbdist-displays", f"nbdist-displays-{r}"))
+                        for r in self.pane_ranks if r is not None]
+        self._display_seq = 0  # the newest display taken from the state
+        self._displays_at = 0.0  # when the panes' displays last changed (monotonic)
+        self._below = 0  # rank 0's displays shown below the panel
+        self._pane_bytes = [0] * len(self.figures)
+        tabs: list[w.Widget] = [w.VBox([pane, out])
+                                for pane, out in zip(self.panes, self.figures, strict=False)]
+        tabs.append(self.panes[-1])
         if self.picker is not None:
-            first = w.VBox([self.picker, self.panes[0]])
+            tabs[0] = w.VBox([self.picker, self.panes[0], self.figures[0]])
             names[0] = "one rank"
-        self.tabs = w.Tab(children=[first, *self.panes[1:]], **titles(names), selected_index=0,
+        self.tabs = w.Tab(children=tabs, **titles(names), selected_index=0,
                           _dom_classes=("nbdist-logs",))
         self.logs = w.Accordion(children=[self.tabs], **titles(["logs"]), selected_index=0)
         children: list[w.Widget] = [w.HTML(_STYLE), self.header]
@@ -341,6 +360,68 @@ class Panel(BackgroundRenderer):
 
     def _render(self, *, final: bool) -> int:
         job = self.job
+        sent = self._render_displays(final) if job.displays_seen > self._display_seq else 0
+        return sent + self._render_state(final=final)
+
+    def _render_displays(self, final: bool) -> int:
+        """New displays: in their rank's pane (at most every ``DISPLAY_EVERY_S``), and rank
+        0's below the panel too, as the kernel would show them."""
+        now = time.monotonic()
+        if self._handle is None and not final:
+            return 0  # not shown yet (the first render, before ``show``): rank 0's wait for it
+        if not final and now - self._displays_at < DISPLAY_EVERY_S:
+            return 0
+        self._displays_at = now
+        fresh = self.job.displays_since(self._display_seq)
+        if not fresh:
+            return 0
+        self._display_seq = fresh[-1].seq
+        sent = 0
+        for i in range(len(self.figures)):
+            rank = self.pane_ranks[i] if self.picker is None else self.picker.value
+            mine = [d for d in fresh if d.rank == rank]
+            if mine:
+                sent += self._add_displays(i, mine)
+        below = [d for d in fresh if d.rank == 0]
+        if below and self._handle is not None:  # shown (a panel that was displayed)
+            sent += self._show_below(below)
+        return sent
+
+    def _add_displays(self, i: int, shown: Sequence[Display], replace: bool = False) -> int:
+        out = self.figures[i]
+        outputs = [] if replace else list(out.outputs)
+        outputs += [_output(d) for d in shown]
+        outputs = outputs[-PANE_DISPLAYS:]
+        sizes = [sum(len(v) if isinstance(v, str) else 1024 for v in o["data"].values())
+                 for o in outputs]
+        while len(outputs) > 1 and sum(sizes) > PANE_DISPLAY_BYTES:
+            outputs.pop(0)
+            sizes.pop(0)
+        out.outputs = tuple(outputs)
+        return 1
+
+    def _show_below(self, shown: Sequence[Display]) -> int:
+        from IPython import display as ipd
+
+        display: Callable[..., Any] = ipd.display  # untyped in IPython
+
+        sent = 0
+        for d in shown:
+            if self._below > BELOW_DISPLAYS:
+                break
+            self._below += 1
+            if self._below > BELOW_DISPLAYS:
+                display({"text/plain": (
+                    f"[nbdist] rank 0 displayed more than {BELOW_DISPLAYS} times: the rest "
+                    f"are in its pane of the panel only")}, raw=True)
+            else:
+                output = _output(d)
+                display(output["data"], metadata=output["metadata"], raw=True)
+            sent += 1
+        return sent
+
+    def _render_state(self, *, final: bool) -> int:
+        job = self.job
         with job.lock:
             # A rank falling silent changes no state: it is the absence of events.
             version = (job.version, tuple(job.silent_ranks()))
@@ -387,20 +468,24 @@ class Panel(BackgroundRenderer):
 
     def _pane_html(self, rank: int | None) -> str:
         job = self.job
+        logs = None if job.log_error else job.log_dir  # never name files that were not written
         if rank is None:
             merged = list(job.merged)[-LOG_VIEW_LINES:]
             width = len(str(max(job.np - 1, 0)))
             skipped = max(0, job.seq - len(merged))
             return _log_html([(f"[{ln.rank:>{width}}] ", ln.text) for ln in merged], skipped,
-                             log_dir=job.log_dir)
+                             log_dir=logs)
         r = job.ranks[rank]
         log = list(r.log)[-LOG_VIEW_LINES:]
         return _log_html([("", ln.text) for ln in log], r.lines - len(log), r.status_line,
-                         job.log_dir)
+                         logs)
 
     def _picked(self, change: dict[str, Any]) -> None:
-        with self._lock, self.job.lock:
-            self.panes[0].value = self._pane_html(int(change["new"]))
+        rank = int(change["new"])
+        with self._lock:
+            with self.job.lock:
+                self.panes[0].value = self._pane_html(rank)
+            self._add_displays(0, self.job.displays_since(0, rank), replace=True)
 
     def _render_hosts(self, summary: Summary, final: bool) -> int:
         """The host groups: every title each tick (one message), the tables in turn."""
@@ -447,6 +532,16 @@ class Panel(BackgroundRenderer):
     def _filtered(self, change: dict[str, Any]) -> None:
         with self._lock, self.job.lock:
             self.filtered.value = self._filter_html(str(change["new"])) if change["new"] else ""
+
+
+def _output(d: Display) -> dict[str, Any]:
+    """A rank's display as an output of the notebook: its bundle, its text form labelled with
+    its rank, and the rank in its metadata (``nbdist``)."""
+    data = dict(d.data)
+    plain = data.get("text/plain")
+    data["text/plain"] = f"[rank {d.rank}] {plain if isinstance(plain, str) else d.text}"
+    return {"output_type": "display_data", "data": data,
+            "metadata": {**d.metadata, "nbdist": {"rank": d.rank}}}
 
 
 def _ranks_html(job: JobState, ranks: Sequence[int]) -> str:

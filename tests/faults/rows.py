@@ -412,6 +412,35 @@ def hostile_input_then_a_live_job(target: Target, tmp_path: Path) -> None:
     streams_live(target, tmp_path, "after-hostile-input")
 
 
+def fifo_log_then_a_live_job(target: Target, tmp_path: Path) -> None:
+    """A job whose ``--log-dir`` holds a FIFO named ``rank-0.log`` (nobody reads it) ends with
+    its log error said, and a job after it streams live: the FIFO is refused, never opened to
+    block the event server that serves every job (HARDENING.md rule 3)."""
+    import os
+
+    from nbdist import job as jobs
+    from nbdist.options import JobOptions
+
+    from .. import hostile
+
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    pipe = hostile.fifo(str(folder / "rank-0.log"))
+    payload: CallPayload = {"kind": "call", "code": None, "kwargs": {}, "args": (),
+                            "fn": define("def f():\n    print('to a fifo', flush=True)\n"
+                                         "    return 7\n")}
+    try:
+        job = jobs.start(payload, 1, JobOptions(backend=target.backend, log_dir=str(folder)))
+        assert job.result(timeout=120) == 7
+        assert job.state.log_error is not None and pipe in job.state.log_error, \
+            job.state.log_error
+        streams_live(target, tmp_path, "after-a-fifo-log")
+    finally:
+        # Unblocks an event server stuck opening the FIFO (before the fix): a writer waiting
+        # in open() goes on once a reader opened, even one gone at once.
+        os.close(os.open(pipe, os.O_RDONLY | os.O_NONBLOCK))
+
+
 def a_job_among_idle_strangers(target: Target, tmp_path: Path) -> None:
     from .. import hostile
 

@@ -236,7 +236,8 @@ def test_one_hundred_jobs_leak_nothing(ip: Any) -> None:
     assert after["listening"] <= before["listening"]
     assert after["children"] == 0
     assert after["rss_mb"] - before["rss_mb"] < 50
-    # The kernel keeps its last HISTORY jobs (%dist_status); every older one, with its state,
+    # The kernel keeps its last settings.history jobs (%dist_status); every older one, with its
+    # state,
     # logs and values, must be freed: a reference left anywhere (the event server, a thread, a
     # view) would grow the kernel with each job, too slowly for rss to show in 100 small ones.
     leaked = sorted(live_jobs() - earlier - {j.id for j in jobs.jobs()})
@@ -263,6 +264,11 @@ def test_hostile_input_leaves_the_event_server_serving(tmp_path: Path) -> None:
     """Every malformed input to the kernel's event server is closed and counted, and a job
     started after them streams its output live."""
     rows.hostile_input_then_a_live_job(LOCAL, tmp_path)
+
+
+def test_a_fifo_log_file_blocks_neither_its_job_nor_the_next(tmp_path: Path) -> None:
+    """A FIFO at ``rank-0.log`` is refused and said; a job after it streams live."""
+    rows.fifo_log_then_a_live_job(LOCAL, tmp_path)
 
 
 def test_a_job_runs_while_1000_idle_strangers_are_connected(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from pyspark.sql import SparkSession
 import nbdist
 from nbdist import job as jobs
 from nbdist import state
-from nbdist.launch import executor_zygote
+from nbdist.rank import executor_zygote
 
 from ..helpers import GONE_WITHIN_S, is_rank, wait_for
 from ..sparks import marked_rank_processes, spark_job_ids
@@ -260,6 +260,14 @@ def test_hostile_input_leaves_the_event_server_serving(
     """Every malformed input to the Spark jobs' event server is closed and counted, and a job
     started after them streams its output live."""
     rows.hostile_input_then_a_live_job(spark, tmp_path)
+
+
+def test_a_fifo_log_file_blocks_neither_its_job_nor_the_next(
+    spark: rows.Target, tmp_path: Path
+) -> None:
+    """A FIFO at a Spark rank's ``rank-0.log`` (written on the driver) is refused and said;
+    a job after it streams live."""
+    rows.fifo_log_then_a_live_job(spark, tmp_path)
 
 
 def test_a_job_runs_while_1000_idle_strangers_are_connected(

@@ -4,7 +4,7 @@ They check what only a GPU can show: a rank forked from the zygote (which never 
 initialises CUDA and trains; NCCL's process group with one GPU per rank; a cell whose value is
 a CUDA tensor; ``--gpu`` on the local backend; a session keeping a CUDA model between cells;
 the panel naming each rank's GPU; a module that starts CUDA at import: ranks start fresh and
-say why (``launch/fork_safety.py``). With one GPU the multi-rank checks run on one rank (NCCL
+say why (``rank/fork_safety.py``). With one GPU the multi-rank checks run on one rank (NCCL
 refuses two ranks on one device). Run them alone with ``pytest -m gpu``.
 """
 
@@ -19,8 +19,9 @@ import pytest
 
 import nbdist
 from nbdist import session as sessions
-from nbdist.launch import fork_safety, local
-from nbdist.launch.zygote import COMMAND
+from nbdist.launch import local
+from nbdist.rank import fork_safety
+from nbdist.rank.zygote import COMMAND
 
 from ..helpers import run
 

@@ -18,7 +18,7 @@ from pyspark.sql import SparkSession
 import nbdist
 from nbdist import job as jobs
 from nbdist import state
-from nbdist.launch import executor_zygote
+from nbdist.rank import executor_zygote
 
 from ..helpers import GONE_WITHIN_S, Gate, wait_for
 
@@ -105,6 +105,19 @@ def test_negative_np_runs_local_ranks_even_with_spark_active(spark_local: SparkS
         os.getpid()}
     with pytest.raises(ValueError, match="-np -N means local ranks"):
         nbdist.run(_parent(), np=-2, backend="spark")
+
+
+def test_a_local_master_event_server_listens_on_loopback_only(
+        spark_local: SparkSession) -> None:
+    """With a ``local[N]`` master every rank is on this machine: the job's event server listens
+    on loopback (it listened on every interface, as for a cluster without bindAddress)."""
+    job = nbdist.run(os.getpid, np=2, backend="spark")
+    assert len(job.results) == 2
+    assert job.address.bind == "127.0.0.1", job.address
+    port = job._server.address[1]
+    listening = {c.laddr.ip for c in psutil.Process().net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    assert listening == {"127.0.0.1"}, listening
 
 
 def test_gpu_without_a_gpu_task_resource_names_the_settings(spark_local: SparkSession) -> None:

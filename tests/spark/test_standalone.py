@@ -11,7 +11,7 @@ from pyspark.sql import SparkSession
 
 import nbdist
 from nbdist import state
-from nbdist.launch import executor_zygote
+from nbdist.rank import executor_zygote
 
 from ..sparks import WORKERS, spark_job_ids
 

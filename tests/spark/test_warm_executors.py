@@ -16,7 +16,7 @@ from pyspark.sql import SparkSession
 
 import nbdist
 from nbdist import timeline
-from nbdist.launch import executor_zygote
+from nbdist.rank import executor_zygote
 
 from .. import hostile
 from ..helpers import wait_for

@@ -60,12 +60,13 @@ import threading
 import time
 from typing import Literal, TypedDict, cast
 
-from nbdist.launch.zygote import ExitMsg, Forked, ForkedMsg, ForkMsg, import_modules
 from nbdist.rank.supervisor import RankProcess, RankSpec, new_sync_marker
+from nbdist.rank.zygote import ExitMsg, Forked, ForkedMsg, ForkMsg, import_modules
 from nbdist.timeline import END, EXIT
+from nbdist.tmpdirs import private_dir
 
 #: How the zygote is started; the ranks it forks show the same command line.
-COMMAND = "from nbdist.launch.executor_zygote import main; main()"
+COMMAND = "from nbdist.rank.executor_zygote import main; main()"
 #: The longest a task waits for its executor's zygote to answer or finish importing; it then
 #: starts its rank fresh (an import in progress is always nearer its end than a new one).
 WAIT_S = 60.0
@@ -151,17 +152,12 @@ def supported() -> bool:
 
 
 def socket_dir() -> str:
-    """``<tmpdir>/nbdist-<uid>``, made 0700 if it is not there; refused if not ours."""
+    """``<tmpdir>/nbdist-<uid>``, made 0700 if it is not there; refused if not ours
+    (``tmpdirs.private_dir``)."""
     base = tempfile.gettempdir()
     if len(base) > 60:  # a socket's path must fit in 108 bytes (YARN's container tmp does not)
         base = "/tmp"
-    path = os.path.join(base, f"nbdist-{os.getuid()}")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    if st.st_uid != os.getuid() or (st.st_mode & 0o077) or not os.path.isdir(path):
-        raise PermissionError(f"{path} is not a private directory of this user")
-    return path
+    return private_dir(f"nbdist-{os.getuid()}", base)
 
 
 def mac(secret: str, nonce: str) -> str:
@@ -181,7 +177,7 @@ def _executor_prefix() -> str:
 
 def key(app: str, spec: RankSpec) -> str:
     """The hash naming the zygote a rank of ``spec`` may be forked from on this host."""
-    from nbdist.launch.zygote import installation_stamp, process_attributes
+    from nbdist.rank.zygote import installation_stamp, process_attributes
 
     env = sorted({**os.environ, **spec.env}.items())
     text = json.dumps([app, spec.python, spec.cwd or os.getcwd(), env,
@@ -501,7 +497,7 @@ class _Server:
     """The zygote's loop: connections, forks, exits, and the reasons to go."""
 
     def __init__(self, config: ExecutorConfig) -> None:
-        from nbdist.rank.runtime import become_subreaper, module_files
+        from nbdist.rank.host import become_subreaper, module_files
 
         self.path = str(config["path"])
         self.secret = str(config["secret"])
@@ -552,8 +548,8 @@ class _Server:
 
     def _warm(self, modules: list[str], nice: int = 0) -> tuple[bool, str, bool]:
         """Import what is new of ``modules``; (safe, why, stale)."""
-        from nbdist.launch.zygote import fork_safety
-        from nbdist.rank.runtime import changed_file, module_files
+        from nbdist.rank.host import changed_file, module_files
+        from nbdist.rank.zygote import fork_safety
 
         changed = changed_file(self.files)
         if changed is not None:
@@ -731,7 +727,7 @@ class _Server:
             conn.send(_packet(msg))
 
     def _fork(self, conn: socket.socket, fds: list[int], sync: str) -> int:
-        from nbdist.launch.zygote import become_rank
+        from nbdist.rank.zygote import become_rank
 
         pid = os.fork()
         if pid:
@@ -757,21 +753,10 @@ class _Server:
         os._exit(70)
 
     def _reap(self) -> None:
-        from nbdist.rank.runtime import end_orphans
+        from nbdist.rank.host import reap_ranks
 
-        ended = []
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            if pid in self.ranks:
-                ended.append((pid, os.waitstatus_to_exitcode(status), self.ranks.pop(pid)))
-        end_orphans(keep=frozenset(self.ranks))
-        for pid, code, conn in ended:
-            self._answer(conn, {"t": "exit", "pid": pid, "code": code})
+        for pid, code in reap_ranks(self.ranks):
+            self._answer(self.ranks.pop(pid), {"t": "exit", "pid": pid, "code": code})
 
     def _unlink(self) -> None:
         """Remove the socket's name if it is still this zygote's (a newer one may have it)."""

@@ -48,20 +48,20 @@ import time
 import traceback
 from typing import IO, Literal, TypedDict, cast
 
-from nbdist.launch.fork_safety import fork_safety as fork_safety
-from nbdist.launch.fork_safety import note_import, recording_thread_starts
-from nbdist.rank.runtime import (
+from nbdist.rank.fork_safety import fork_safety as fork_safety
+from nbdist.rank.fork_safety import note_import, recording_thread_starts
+from nbdist.rank.host import (
     become_subreaper,
     changed_file,
-    end_orphans,
     installation_dirs,
     is_installed,
     module_files,
+    reap_ranks,
 )
 from nbdist.rank.supervisor import RankProcess, new_sync_marker
 
 #: How the zygote is started; the ranks it forks show the same command line.
-COMMAND = "from nbdist.launch.zygote import main; main()"
+COMMAND = "from nbdist.rank.zygote import main; main()"
 #: How long a fork may take before the rank is started fresh instead (it takes milliseconds).
 FORK_TIMEOUT_S = 10.0
 _PACKET = 1 << 16
@@ -365,7 +365,7 @@ def main() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # wakes the select below
-    # The guardian of its ranks (runtime._guard): what a rank that died at once leaves
+    # The guardian of its ranks (host.guard): what a rank that died at once leaves
     # running comes to the zygote, which kills it; only the ranks are its own children.
     become_subreaper()
     ranks: set[int] = set()
@@ -413,30 +413,14 @@ def main() -> None:
 
 
 def _reap(sock: socket.socket, ranks: set[int]) -> None:
-    """Reap what ended; say which ranks did, once what they left behind is killed.
-
-    A rank's orphans are adopted before its own end is signalled, so killing every child that
-    is not a running rank, before the exit goes out, means its supervisor sees its output
-    pipes close right after. Their own children come here as they die: the next SIGCHLD.
-    """
-    ended = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
-        if pid == 0:
-            break
-        if pid in ranks:
-            ranks.discard(pid)
-            ended.append((pid, os.waitstatus_to_exitcode(status)))
-    end_orphans(keep=frozenset(ranks))
-    for pid, code in ended:
+    """Reap what ended; say which ranks did, once what they left behind is killed."""
+    for pid, code in reap_ranks(ranks):
+        ranks.discard(pid)
         sock.send(_packet({"t": "exit", "pid": pid, "code": code}))
 
 
 def _installed(name: str, dirs: list[str]) -> bool:
-    """True for a package of the installation (``runtime.is_installed``: site-packages, the
+    """True for a package of the installation (``host.is_installed``: site-packages, the
     standard library), not one of the user's (on the working directory or PYTHONPATH,
     symlinked into site-packages), which may be edited between runs."""
     top = name.partition(".")[0]
