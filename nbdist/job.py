@@ -599,6 +599,7 @@ class Job(Handle):
             got = dict(answers)
         dumps: dict[int, str] = {}
         native: dict[int, str] = {}
+        packages: dict[int, str] = {}
         missing: dict[int, str] = {}
         fr = {r: a["fr"] for r, a in got.items() if isinstance(a.get("fr"), str) and a["fr"]}
         for rank in live:
@@ -606,6 +607,9 @@ class Job(Handle):
             text = answer.get("text") if answer is not None else None
             if isinstance(text, str) and text:
                 dumps[rank] = text
+                package = answer.get("package") if answer is not None else None
+                if isinstance(package, str) and package:
+                    packages[rank] = package
                 frames = answer.get("native") if answer is not None else None
                 if isinstance(frames, str) and frames:
                     native[rank] = frames
@@ -622,7 +626,8 @@ class Job(Handle):
             missing[rank] = why + ("; its last lines:\n" + "\n".join(tail) if tail else
                                    "; it printed nothing")
         taken = Stacks.from_dumps(job_id or self.state.id, dumps, missing,
-                                  time.monotonic() - started, native, fr, live)
+                                  time.monotonic() - started, native, fr, live,
+                                  packages)
         if fr and taken.collectives:
             # The raw dumps beside the logs, for torch's own analyser (its pickle format).
             taken.saved = logfiles.write_flight_records(self._logs.folder, fr)

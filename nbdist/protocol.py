@@ -679,7 +679,8 @@ class StacksEvent(TypedDict, total=False):
     """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
     ``faulthandler`` writes them (``text``), or why there are none (``error``); with their
     native (C) frames where py-spy is installed on the rank's host (``native``); its flight
-    recorder's dump (torch's JSON, ``fr``) where it ran collectives."""
+    recorder's dump (torch's JSON, ``fr``) where it ran collectives; the folder nbdist is
+    installed in there (``package``: its frames are left out)."""
 
     t: Literal["stacks"]
     id: int
@@ -687,6 +688,7 @@ class StacksEvent(TypedDict, total=False):
     error: str
     native: str
     fr: str
+    package: str
 
 
 class DebugEvent(TypedDict):

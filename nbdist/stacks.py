@@ -24,8 +24,11 @@ from nbdist.collectives import rank_ranges as rank_ranges  # shown with the stac
 #: ``  File "path", line 12 in func``
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ ")
-#: nbdist's own modules, wherever nbdist is installed on the rank's host.
-_NBDIST = re.compile(r"[/\\]nbdist[/\\](?:\w+[/\\])?\w+\.py$")
+#: Where this nbdist is installed. nbdist's own frames are the files under the folder it is
+#: installed in, known by that place and never by a folder's name (a user's package, or a clone
+#: of this repository, may well sit in a folder named ``nbdist``). A rank's host may have it
+#: elsewhere: its supervisor says where (``StacksEvent.package``).
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: Modules a thread of nbdist's waits in; a thread with nothing else is nbdist's own.
 _PLUMBING = re.compile(r"[/\\](?:threading|queue|selectors|socket|subprocess)\.py$")
 #: Where the rank's code runs: the thread whose bottom frames are these is the cell's.
@@ -68,8 +71,15 @@ class ThreadStack:
         return f"{calls} ({at.where()})"
 
 
-def parse(text: str) -> list[ThreadStack]:
-    """``faulthandler``'s text for all threads → each thread's frames, nbdist's left out.
+def _under(file: str, package: str) -> bool:
+    """Is ``file`` (a path on the rank's host, either separator) inside folder ``package``?"""
+    root = package.rstrip("/\\")
+    return bool(root) and file.startswith(root) and file[len(root):len(root) + 1] in ("/", "\\")
+
+
+def parse(text: str, package: str = PACKAGE_DIR) -> list[ThreadStack]:
+    """``faulthandler``'s text for all threads → each thread's frames, nbdist's (the files
+    under ``package``, where nbdist is installed on the rank's host) left out.
 
     A thread made only of nbdist's frames and the standard library's waiting (its channel,
     its output pacer) is not the user's and is dropped; the cell's thread keeps the frames
@@ -85,9 +95,8 @@ def parse(text: str) -> list[ThreadStack]:
             threads[-1].append(StackFrame(hit["file"], int(hit["line"]), hit["func"]))
     out: list[ThreadStack] = []
     for frames in threads:
-        ours = [f for f in frames if _NBDIST.search(f.file) or f.file == "<string>"]
-        cell = any(_NBDIST.search(f.file) and f.func in _RUNTIME_ENTRY
-                   and f.file.endswith("runtime.py") for f in ours)
+        ours = [f for f in frames if f.file == "<string>" or _under(f.file, package)]
+        cell = any(f.func in _RUNTIME_ENTRY and f.file.endswith("runtime.py") for f in ours)
         kept = [f for f in frames if f not in ours]
         if ours and not cell and all(_PLUMBING.search(f.file) for f in kept):
             continue  # one of nbdist's own threads
@@ -112,11 +121,15 @@ class StackGroup:
         return self.threads[0].summary() if self.threads else "no Python thread"
 
 
-def group(dumps: Mapping[int, str]) -> list[StackGroup]:
-    """Fold the ranks' dumps into groups of equal stacks, the most common group first."""
+def group(dumps: Mapping[int, str],
+          packages: Mapping[int, str] | None = None) -> list[StackGroup]:
+    """Fold the ranks' dumps into groups of equal stacks, the most common group first.
+    ``packages``: where nbdist is installed on each rank's host (this process's place for a
+    rank left out)."""
     by_key: dict[tuple[ThreadStack, ...], list[int]] = {}
     for rank in sorted(dumps):
-        by_key.setdefault(tuple(parse(dumps[rank])), []).append(rank)
+        package = (packages or {}).get(rank) or PACKAGE_DIR
+        by_key.setdefault(tuple(parse(dumps[rank], package)), []).append(rank)
     groups = [StackGroup(ranks, key) for key, ranks in by_key.items()]
     return sorted(groups, key=lambda g: (-len(g.ranks), g.ranks[0]))
 
@@ -154,9 +167,11 @@ class Stacks:
                    missing: Mapping[int, str] | None = None, seconds: float = 0.0,
                    native: Mapping[int, str] | None = None,
                    fr: Mapping[int, str] | None = None,
-                   ranks: Iterable[int] | None = None) -> Stacks:
-        """``fr``: rank → its flight recorder's dump; ``ranks``: every rank asked."""
-        groups = group(dumps)
+                   ranks: Iterable[int] | None = None,
+                   packages: Mapping[int, str] | None = None) -> Stacks:
+        """``fr``: rank → its flight recorder's dump; ``ranks``: every rank asked; ``packages``:
+        where nbdist is installed on each rank's host."""
+        groups = group(dumps, packages)
         where = {r: _where(g) for g in groups for r in g.ranks}
         every = sorted(set(ranks if ranks is not None else dumps) | set(missing or {}))
         coll = analyse(fr or {}, every, where) if fr else Collectives(())

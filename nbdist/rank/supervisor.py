@@ -779,7 +779,8 @@ class Supervisor:
         with self._stacks_lock:  # one flight recorder request at a time too
             fr = self._collectives(FR_S) if self._ask_collectives() else ""
         text, error = self.stacks()
-        answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0}
+        answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0,
+                               "package": _PACKAGE_DIR}
         if text:
             answer["text"] = text
         if error:
@@ -1026,6 +1027,11 @@ def py_spy() -> str | None:
         return named
     beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
     return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+#: Where nbdist is installed on this host: the driver leaves out the frames of the files under
+#: it (``nbdist.stacks``), wherever that is, whatever the folder is called.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(protocol.__file__))
 
 
 def native_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
