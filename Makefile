@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup quickstart test check lint system-deps bench
+.PHONY: setup quickstart test check lint system-deps bench matrix
 
 setup: $(VENV)/.installed
 
@@ -42,14 +42,28 @@ check: lint
 	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
 # The whole suite under coverage, measured in the ranks, zygotes, kernels and Spark workers the
-# tests start too ([tool.coverage.run] in pyproject.toml). The report ends the output, whether
-# the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A process killed while
-# it was creating its data file (the fault tests kill ranks) leaves it empty: dropped.
+# tests start too ([tool.coverage.run] in pyproject.toml), in WORKERS pytest-xdist workers: most
+# of the suite waits on ranks, kernels and JVMs. What only one process may hold (Spark, Ray, the
+# multi-host tests' hosts, the browser) runs in one worker each (tests/conftest.py, XDIST_GROUPS).
+# The version matrix (.ci/matrix) runs beside it; its summary and the coverage report end the
+# output, whether the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A
+# process killed while it was creating its data file (the fault tests kill ranks) leaves it
+# empty: dropped. 4 workers: the three groups that take minutes (Spark, the multi-host hosts,
+# the browser) each hold one from the start, so 3 left the other tests waiting behind them.
+WORKERS ?= 4
 test: setup system-deps lint
 	rm -f .coverage .coverage.*
-	SPARK_LOCAL_IP=127.0.0.1 $(VENV)/bin/coverage run -m pytest; status=$$?; \
+	@mkdir -p build; .ci/matrix > build/matrix.out 2>&1 & matrix=$$!; \
+	SPARK_LOCAL_IP=127.0.0.1 $(VENV)/bin/coverage run -m pytest -n $(WORKERS) --dist loadgroup \
+	  --file-durations; status=$$?; \
 	find . -maxdepth 1 -name '.coverage.*' -empty -delete; \
-	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; exit $$status
+	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; \
+	wait $$matrix || status=1; cat build/matrix.out; exit $$status
+
+# The version matrix alone (docs/developing.md): a fast subset on Python 3.10 (ipykernel 6,
+# IPython 8), 3.12 (ipywidgets 7) and 3.13, and the Spark tests with pyspark 3.5.
+matrix: system-deps
+	.ci/matrix
 
 # Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
 bench: setup system-deps

@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHES = ["capture", "launch", "streaming", "training", "faults", "scale", "session", "pull",
-           "hostile", "keras", "restart", "bad_hour", "data"]
+           "hostile", "keras", "restart", "bad_hour", "data", "collectives"]
 
 
 def main() -> int:

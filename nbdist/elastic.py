@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nbdist import _checkpoint, handle, state, tracking
+from nbdist import _checkpoint, handle, lifecycle, state, tracking
 from nbdist import job as jobs
 from nbdist import settings as _settings
 from nbdist.capture import call_code
@@ -285,33 +285,35 @@ class ElasticJob(handle.Handle):
             raise
 
     def _wait_for_capacity(self, number: int, why: str) -> Any:
-        """A launcher that can run the N ranks now, or None once the wait is over (ended)."""
-        deadline = time.monotonic() + self.capacity_wait
-        bound = f"{self.capacity_wait:g} s (--capacity-wait)"
-        if self._deadline is not None and self._deadline < deadline:
-            deadline, bound = self._deadline, f"the job's --timeout of {self.timeout:g} s"
+        """A launcher that can run the N ranks now, or None once the wait is over (ended).
+        What to do at each turn is ``lifecycle.CapacityWait``'s to say."""
+        wait = lifecycle.CapacityWait.begin(time.monotonic(), self.capacity_wait,
+                                            self._deadline, self.timeout)
         while True:
-            if self._cancel_reason is not None:
+            if wait.step(time.monotonic(), cancelled=self._cancel_reason is not None,
+                         fits=False)[0] is lifecycle.Step.CANCEL:
                 self._end(self._cancelled_error())
                 return None
             launcher = self._new_launcher()
             gpu = self._current.gpu  # as the first attempt chose it
             try:
                 launcher.check(self.np, gpu)
-                return launcher
+                fits = True
             except CapacityError as exc:
-                short = exc
+                fits, short = False, exc
                 try:
                     cap = launcher.capacity()
                     free: int | str = min(cap.slots, cap.gpus) if gpu else cap.slots
                 except Exception:  # the backend cannot say; the error below will
                     free = "?"
-            left = deadline - time.monotonic()
-            if left <= 0:
+            step, left = wait.step(time.monotonic(), cancelled=False, fits=fits)
+            if step is lifecycle.Step.START:
+                return launcher
+            if step is lifecycle.Step.GIVE_UP:
                 self._state.set_note(f"attempt {number} of {self._state.total} could not start")
                 self._end(DistributedError(
                     f"job {self.id} could not restart: the backend did not have the slots for "
-                    f"{self.np} ranks within {bound}: {short}\n" + self._attempts_text(),
+                    f"{self.np} ranks within {wait.bound}: {short}\n" + self._attempts_text(),
                     job_id=self.id, reason=Reason.FAILED))
                 return None
             self._state.set_note(

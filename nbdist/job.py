@@ -3,7 +3,10 @@ gather results and failures.
 
 Which backend runs it is the registry's choice (``nbdist.launch.backends``); how ranks start is
 the launcher's business (``nbdist.launch``); how the job is shown is the
-views' (``nbdist.views``). This module only keeps the state (``nbdist.state``) up to date.
+views' (``nbdist.views``). When the job stops its ranks, and how it ended, is its machine's
+(``nbdist.lifecycle.JobMachine``): this module is that machine's I/O shell, which turns what
+the event server, the backend and the timers say into stimuli, carries out the actions, keeps
+the state (``nbdist.state``) up to date and settles the job's ``Handle`` once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Protocol
 from nbdist import (
     _pickling,
     channel,
+    collectives,
     endings,
     events,
     launch,
@@ -161,7 +165,9 @@ class Job(Handle):
         self._secret = channel.new_secret()
         # The notebook's active MLflow run, for the ranks' own logging (nbdist.tracking);
         # the user's --env wins.
-        self._env = {**tracking.run_env(), **dict(options.env)}
+        # torch's flight recorder on in every rank (nbdist.collectives), unless turned off.
+        self._env = {**collectives.recorder_env(settings.flight_recorder),
+                     **tracking.run_env(), **dict(options.env)}
         # Variables given at the rendezvous only (an attempt of a job that restarts: its
         # restart count): they must not key the local backend's warm ranks. Ranks that plan
         # their world without the driver (the supervisor's fallback) get them with the launch
@@ -184,6 +190,7 @@ class Job(Handle):
         self._stacks_asked = 0
         self._stacks: dict[int, dict[int, channel.Event]] = {}  # request → rank → answer
         self._forensics: str | None = None  # the stacks taken before nbdist stopped it
+        self._collectives = ""  # where its ranks stood in their collectives, then
         #: Ranks' debuggers waiting for a line typed in the notebook: (rank, what they wrote).
         self._questions: queue.Queue[tuple[int, str]] = queue.Queue()
         self._started = time.monotonic()
@@ -455,8 +462,8 @@ class Job(Handle):
             return
 
     def _take_forensics(self) -> None:
-        """Before stopping a running job: where each rank is, for the error and the views
-        (bounded by ``FORENSICS_S``)."""
+        """Before stopping a running job: where each rank is, and where the ranks stand in
+        their collectives, for the error and the views (bounded by ``FORENSICS_S``)."""
         with self._lock:
             if self._forensics is not None:
                 return
@@ -467,7 +474,8 @@ class Job(Handle):
             taken = self.stacks(FORENSICS_S)
         except Exception:  # forensics never stand in the way of the cancel
             return
-        if taken.groups:
+        self._collectives = taken.collectives.text()
+        if taken.groups or taken.collectives:
             self._forensics = taken.text()
             self.state.set_forensics(self._forensics)
 
@@ -479,6 +487,44 @@ class Job(Handle):
         if self._payload_bytes >= TRIM_AFTER_BYTES:
             _trim_heap()
         outcomes = [self._outcomes[r] for r in range(self.np)]
+        error = self._verdict_error(outcomes)
+        values: dict[int, Any] | None = None
+        size: int | None = None
+        if error is None:
+            try:
+                values = {o.rank: self._load(o) for o in outcomes}
+            except DistributedError as exc:
+                error = exc
+            else:
+                size = sum(len(o.result or b"") for o in outcomes)
+        for o in outcomes:
+            o.result = None  # the values are kept, not their pickles too
+        if self._collectives and isinstance(error, DistributedError) and \
+                error.reason in (Reason.TIMEOUT, Reason.CANCELLED):
+            # The collectives line in the message itself: the first thing a hung job says.
+            error = DistributedError(f"{error}\n{self._collectives}", job_id=self.id,
+                                     reason=error.reason, failures=error.failures,
+                                     stacks=error.stacks)
+        lost = endings.lost_output(outcomes, self.address)
+        if lost is not None and isinstance(error, DistributedError):
+            error = DistributedError(f"{error}\n{lost}", job_id=self.id,
+                                     reason=error.reason, failures=error.failures,
+                                     stacks=error.stacks)
+        final = state.DONE if error is None else (
+            state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else state.FAILED
+        )
+
+        def close() -> None:
+            if self._mlflow is not None:
+                self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
+            self.state.finish(final, str(error) if error is not None else lost or "")
+
+        self._settle(error, close, values=values, size=size, lost=lost)
+        if self._owner is not None:
+            self._owner.on_finish(self)
+
+    def _verdict_error(self, outcomes: list[RankOutcome]) -> BaseException | None:
+        """The error the machine's verdict ends the job with; None when it succeeded."""
         failed = [o for o in outcomes if o.status == RankStatus.FAILED]
         error: BaseException | None = None
         end = self._machine.verdict()
@@ -498,34 +544,7 @@ class Job(Handle):
                 f"were stopped", job_id=self.id, reason=Reason.CANCELLED,
                 stacks=self._forensics or "",
             )
-        values: dict[int, Any] | None = None
-        size: int | None = None
-        if error is None:
-            try:
-                values = {o.rank: self._load(o) for o in outcomes}
-            except DistributedError as exc:
-                error = exc
-            else:
-                size = sum(len(o.result or b"") for o in outcomes)
-        for o in outcomes:
-            o.result = None  # the values are kept, not their pickles too
-        lost = endings.lost_output(outcomes, self.address)
-        if lost is not None and isinstance(error, DistributedError):
-            error = DistributedError(f"{error}\n{lost}", job_id=self.id,
-                                     reason=error.reason, failures=error.failures,
-                                     stacks=error.stacks)
-        final = state.DONE if error is None else (
-            state.CANCELLED if getattr(error, "reason", "") == Reason.CANCELLED else state.FAILED
-        )
-
-        def close() -> None:
-            if self._mlflow is not None:
-                self._mlflow.close(timeout=5.0)  # what rank 0 reported is in the run on return
-            self.state.finish(final, str(error) if error is not None else lost or "")
-
-        self._settle(error, close, values=values, size=size, lost=lost)
-        if self._owner is not None:
-            self._owner.on_finish(self)
+        return error
 
     def _load(self, outcome: RankOutcome) -> Any:
         try:
@@ -580,12 +599,17 @@ class Job(Handle):
             got = dict(answers)
         dumps: dict[int, str] = {}
         native: dict[int, str] = {}
+        packages: dict[int, str] = {}
         missing: dict[int, str] = {}
+        fr = {r: a["fr"] for r, a in got.items() if isinstance(a.get("fr"), str) and a["fr"]}
         for rank in live:
             answer = got.get(rank)
             text = answer.get("text") if answer is not None else None
             if isinstance(text, str) and text:
                 dumps[rank] = text
+                package = answer.get("package") if answer is not None else None
+                if isinstance(package, str) and package:
+                    packages[rank] = package
                 frames = answer.get("native") if answer is not None else None
                 if isinstance(frames, str) and frames:
                     native[rank] = frames
@@ -601,8 +625,13 @@ class Job(Handle):
                 tail = [ln.text for ln in list(r.log)[-STACKS_TAIL_LINES:]]
             missing[rank] = why + ("; its last lines:\n" + "\n".join(tail) if tail else
                                    "; it printed nothing")
-        return Stacks.from_dumps(job_id or self.state.id, dumps, missing,
-                                 time.monotonic() - started, native)
+        taken = Stacks.from_dumps(job_id or self.state.id, dumps, missing,
+                                  time.monotonic() - started, native, fr, live,
+                                  packages)
+        if fr and taken.collectives:
+            # The raw dumps beside the logs, for torch's own analyser (its pickle format).
+            taken.saved = logfiles.write_flight_records(self._logs.folder, fr)
+        return taken
 
     def cancel(self, reason: str = "cancelled by the user") -> None:
         """Stop every rank (SIGTERM, SIGKILL after 2 s); the job ends as cancelled.
@@ -650,8 +679,16 @@ class Job(Handle):
                 print(shown, end="" if shown.endswith("\n") else "\n", flush=True)
             try:
                 line = input(f"[rank {rank}] {PDB_PROMPT}")
-            except EOFError:  # no input box: let the rank go on
+            except (EOFError, NotImplementedError) as exc:
+                # No input box: an end of input (a terminal's ^D, a closed stdin), or a
+                # frontend without stdin (nbclient, papermill: ipykernel's input() raises
+                # StdinNotImplementedError, a NotImplementedError). Raised from here it would
+                # leave the rank in pdb and the job (or the session's cell) running until its
+                # timeout; the documented answer is ``c``, said where the cell's output goes.
                 line = "c"
+                print(f"[rank {rank}] no input box to ask "
+                      f"({'no stdin' if isinstance(exc, NotImplementedError) else 'end of input'}"
+                      f"): answered c (continue)", flush=True)
             if not self._done.is_set():
                 self.send(rank, {"t": "debug", "text": line})
 

@@ -19,6 +19,10 @@ cancel stops running ranks: where they are; the stop follows with :class:`Stacks
 an owner, a session, decides), :class:`MarkFailed` (ranks taken for lost), :class:`Drain`
 (every rank ended: read the channels to their end, then settle with :meth:`JobMachine.verdict`).
 
+Beside it, the same shape for a session's cell (:class:`CellMachine`, whose I/O shell is
+``session.SessionCell``) and for a job that restarts while it waits for the slots of its ranks
+(:class:`CapacityWait`, asked at each turn by ``elastic.ElasticJob``).
+
 Who ends first decides: the first failure stops the others and is blamed first; a stop already
 under way is never replaced (a rank failing while a timeout's stacks are taken still ends the
 job as failed, the timeout's stop then does nothing); a rank heard after the job was stopped
@@ -286,6 +290,160 @@ class JobMachine:
         self.timed_out = timeout
         self.running_at_cancel = self.running
         return [StopRanks(reason)]
+
+
+# -- a session's cell -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CellValue:
+    """A rank's value for the cell arrived whole and checked."""
+
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class CellError:
+    """A rank's cell raised (``kind``: the exception's type; ``KeyboardInterrupt`` is an
+    interrupt's doing, never the failure the cell is blamed for)."""
+
+    rank: int
+    kind: str
+    message: str
+    at: float
+
+
+@dataclass(frozen=True)
+class GraceOver:
+    """The ranks an interrupt was sent to had ``INTERRUPT_GRACE_S`` to stop."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """KeyboardInterrupt in the cell on ``ranks``, and arm the grace timer."""
+
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class BreakSession:
+    """Ranks did not stop within the grace: the session is broken."""
+
+    ranks: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class SettleCell:
+    """Every rank ended: settle the cell with ``end``."""
+
+    end: End
+
+
+CellStimulus = CellValue | CellError | Cancel | GraceOver
+CellAction = Interrupt | BreakSession | SettleCell
+
+
+@dataclass
+class CellMachine:
+    """A session cell's life: its ranks end with a value or an error, the first failure
+    interrupts the others (they may wait for it in a collective), a second cancel adds
+    nothing, and ranks that do not stop within the grace break the session."""
+
+    #: The ranks the cell runs on (``--targets``; every rank of the session by default).
+    ranks: tuple[int, ...]
+    values: set[int] = field(default_factory=set)
+    errors: dict[int, tuple[str, str]] = field(default_factory=dict)  # rank → (kind, message)
+    #: The rank the cell's error names: the first to fail other than by an interrupt.
+    first_error: int | None = None
+    #: Why the cell was interrupted (None: it was not).
+    interrupted: str | None = None
+    settled: bool = False
+
+    def handle(self, stimulus: CellStimulus) -> list[CellAction]:
+        """Take one stimulus; the actions to carry out, in order."""
+        if isinstance(stimulus, (CellValue, CellError)):
+            return self._rank_ended(stimulus)
+        if isinstance(stimulus, Cancel):
+            return self._interrupt(stimulus.reason)
+        if isinstance(stimulus, GraceOver):
+            if self.settled:
+                return []
+            return [BreakSession(tuple(self.running), self.interrupted or "")]
+        raise TypeError(f"not a stimulus of a session cell: {stimulus!r}")
+
+    @property
+    def running(self) -> list[int]:
+        return [r for r in self.ranks if r not in self.values and r not in self.errors]
+
+    def verdict(self) -> End:
+        if self.first_error is not None:
+            return End.FAILED
+        return End.CANCELLED if self.errors else End.DONE
+
+    def _rank_ended(self, stimulus: CellValue | CellError) -> list[CellAction]:
+        rank = stimulus.rank
+        if self.settled or rank in self.values or rank in self.errors:
+            return []
+        actions: list[CellAction] = []
+        if isinstance(stimulus, CellValue):
+            self.values.add(rank)
+        else:
+            self.errors[rank] = (stimulus.kind, stimulus.message)
+            if self.first_error is None and stimulus.kind != "KeyboardInterrupt":
+                self.first_error = rank
+            if self.interrupted is None and self.running:
+                actions += self._interrupt(f"rank {rank} failed")
+        if not self.running:
+            self.settled = True
+            actions.append(SettleCell(self.verdict()))
+        return actions
+
+    def _interrupt(self, reason: str) -> list[CellAction]:
+        if self.settled or self.interrupted is not None:
+            return []
+        self.interrupted = reason
+        return [Interrupt(tuple(self.running), reason)]
+
+
+# -- a restart waiting for the slots of its ranks --------------------------------------------------
+class Step(str, enum.Enum):
+    """What a restart waiting for capacity does next (:meth:`CapacityWait.step`)."""
+
+    CANCEL = "cancel"  # the job was cancelled meanwhile: end it as cancelled
+    START = "start"  # the backend has the slots: start the attempt
+    GIVE_UP = "give up"  # the wait is over (``--capacity-wait`` or the job's ``--timeout``)
+    WAIT = "wait"  # ask again later (at most the seconds left)
+
+
+@dataclass(frozen=True)
+class CapacityWait:
+    """A job that restarts (``elastic.ElasticJob``) waiting for the slots of its ranks: until
+    ``--capacity-wait`` passes, or the job's own ``--timeout`` if that comes first (a timeout
+    during a restart wait ends the job then, naming the timeout)."""
+
+    until: float
+    bound: str  # the words for ``until``
+
+    @classmethod
+    def begin(cls, now: float, capacity_wait: float, job_deadline: float | None,
+              job_timeout: float | None) -> CapacityWait:
+        until, bound = now + capacity_wait, f"{capacity_wait:g} s (--capacity-wait)"
+        if job_deadline is not None and job_deadline < until:
+            until, bound = job_deadline, f"the job's --timeout of {job_timeout or 0:g} s"
+        return cls(until, bound)
+
+    def step(self, now: float, *, cancelled: bool, fits: bool) -> tuple[Step, float]:
+        """What to do at ``now``: a cancel first, then the slots, then the bound; with
+        :attr:`Step.WAIT`, the seconds left."""
+        if cancelled:
+            return Step.CANCEL, 0.0
+        if fits:
+            return Step.START, 0.0
+        left = self.until - now
+        return (Step.GIVE_UP, 0.0) if left <= 0 else (Step.WAIT, left)
 
 
 # -- words ----------------------------------------------------------------------------------------

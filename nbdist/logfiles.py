@@ -27,7 +27,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from nbdist import tmpdirs
@@ -205,10 +205,52 @@ class RankLogs:
                 return
             self._fds[rank] = fd
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         except OSError as exc:  # a full disk: the job goes on, its logs stop
             self._fail(f"writing rank {rank}'s log in {self.folder} failed: "
                        f"{exc.strerror or exc}")
+
+
+#: The folder of a job's log folder that holds its ranks' flight recorder dumps.
+FLIGHT_RECORDS = "flight-recorder"
+
+
+def write_flight_records(folder: str, dumps: Mapping[int, str]) -> str:
+    """Write each rank's flight recorder dump (torch's JSON) as ``FOLDER/flight-recorder/
+    rank_R``, in the pickle format torch's analyser reads
+    (``python -m torch.distributed.flight_recorder.fr_trace FOLDER/flight-recorder``); say
+    where, or why not. Files are opened without following links, never blocking."""
+    import json
+    import pickle
+
+    where = os.path.join(folder, FLIGHT_RECORDS)
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        st = os.lstat(where)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return (f"the flight recorder dumps were not written: {where} is not a folder "
+                    f"of ours that only we can write")
+        for rank, text in sorted(dumps.items()):
+            try:
+                data = pickle.dumps(json.loads(text), protocol=4)
+            except (ValueError, RecursionError):
+                continue
+            path = os.path.join(where, f"rank_{rank}")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                         | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return f"the flight recorder dumps were not written: {path} is not a file"
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        return f"the flight recorder dumps were not written to {where}: {exc}"
+    return f"flight recorder dumps: {where}"
 
 
 def tail(path: str, lines: int, block: int = 1 << 16) -> list[str]:

@@ -21,7 +21,17 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitError, Unicode, observe, validate
 
-from nbdist import _logcarry, elastic, events, handle, logfiles, settings, slices, waiting
+from nbdist import (
+    _logcarry,
+    check,
+    elastic,
+    events,
+    handle,
+    logfiles,
+    settings,
+    slices,
+    waiting,
+)
 from nbdist import job as jobs
 from nbdist import session as sessions
 from nbdist.capture import capture_cell
@@ -420,6 +430,22 @@ class DistMagics(Magics):
         "directory.",
     )
 
+    flight_recorder = Int(
+        settings.FLIGHT_RECORDER_ENTRIES, config=True,
+        help="Entries of torch's flight recorder in every rank (TORCH_FR_BUFFER_SIZE): the "
+        "collectives %dist_stacks and a hung job's error line up by rank. 0 turns it off; "
+        "--env TORCH_FR_BUFFER_SIZE=N wins for one job. "
+        f"Default: {settings.FLIGHT_RECORDER_ENTRIES}.",
+    )
+
+    @validate("flight_recorder")
+    def _valid_recorder(self, proposal: Any) -> Any:
+        try:
+            settings.Settings().__setattr__("flight_recorder", proposal["value"])
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
+        return proposal["value"]
+
     warm_at_load = Bool(
         True, config=True,
         help="At %load_ext nbdist, when torch is installed, start the zygote the first local "
@@ -721,6 +747,32 @@ class DistMagics(Magics):
         display(job.stacks(args.timeout))
 
     @magic_arguments()
+    @argument("-np", dest="np", type=int, required=True, metavar="N",
+              help="ranks to check (negative: local ranks even when Spark is active)")
+    @argument("--backend", choices=("auto", "local", "spark"), default="auto",
+              help="the backend to check (default: as %%distributed chooses)")
+    @argument("--gpu", action="store_true",
+              help="one GPU per rank, the sweep over NCCL up to 256 MB")
+    @argument("--timeout", type=float, default=120.0, metavar="SECONDS",
+              help="fail the check after this long (default 120)")
+    @line_magic
+    def dist_check(self, line: str) -> None:
+        """Check N ranks before a long run, in seconds: host, Python, torch, CUDA/NCCL and
+        nbdist versions (a mismatch named), the GPUs each rank sees, free space, its clock
+        against the notebook's, and an all-reduce sweep (bus bandwidth as nccl-tests computes
+        it). What is wrong (a rank that failed, one far slower than the others, a version that
+        differs) is said at the end.
+        """
+        line = strip_comment(line)  # a trailing '# comment' is not an argument
+        args = parse_argstring(self.dist_check, line)
+        if args.np == 0:
+            raise UsageError("-np takes a number of ranks other than 0")
+        if args.timeout <= 0:
+            raise UsageError(f"--timeout takes a positive number of seconds, not "
+                             f"{args.timeout:g}")
+        print(check.run_check(args.np, args.backend, args.gpu, args.timeout).text())
+
+    @magic_arguments()
     @argument("--rank", type=int, default=None,
               help="the rank to debug (default: the first that failed)")
     @line_magic
@@ -849,6 +901,10 @@ class DistMagics(Magics):
         session = self._session()
         shell = self.shell
         assert shell is not None
+        # Every value is pickled (and refused, if it must be) before any rank is involved: a
+        # refusal leaves the session as it was. Each is pickled once; that pickle is what
+        # travels (session.run_cell), and is let go once every rank has it.
+        pickled: list[tuple[str, bytes]] = []
         for name in args.names:
             if name not in shell.user_ns:
                 raise UsageError(f"the notebook has no variable {name!r} to push")
@@ -858,7 +914,12 @@ class DistMagics(Magics):
             if not captured.values:
                 raise UsageError(f"{name!r} is a module or an import in the notebook; import "
                                  f"it in a %%distributed cell instead")
-            session.run_cell({"kind": "push", "name": name, "data": captured.data}).result()
+            pickled.append((name, captured.data))
+            del captured
+        while pickled:
+            name, data = pickled.pop(0)
+            session.run_cell({"kind": "push", "name": name, "data": data}).result()
+            del data
         print(f"pushed {', '.join(args.names)} to the {session.np} ranks of {session.id}")
 
     @magic_arguments()
@@ -886,12 +947,18 @@ class DistMagics(Magics):
             raise UsageError(f"cannot scatter {args.name!r}: it has {n} items for the "
                              f"{session.np} ranks of {session.id}; every rank needs one")
 
-        def own(rank: int) -> dict[str, Any]:
+        # Every slice is pickled (and refused, if it must be) before any rank is involved: a
+        # refusal leaves the session as it was. The slices' pickles are what travel, each
+        # let go once its rank has it (session.run_cell).
+        parts: list[bytes | None] = [
             # Capture's rules (refusals, size warnings) apply to each slice as to a push.
-            captured = capture_cell(args.name, {args.name: slices.part(value, rank,
-                                                                       session.np)},
-                                    warn_bytes=int(self.large_value_mb * 1e6))
-            return {"data": captured.data}
+            capture_cell(args.name, {args.name: slices.part(value, rank, session.np)},
+                         warn_bytes=int(self.large_value_mb * 1e6)).data
+            for rank in range(session.np)]
+
+        def own(rank: int) -> dict[str, Any]:
+            data, parts[rank] = parts[rank], None
+            return {"data": data}
 
         session.run_cell({"kind": "push", "name": args.name, "data": b""},
                          per_rank=own).result()

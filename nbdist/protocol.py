@@ -123,6 +123,12 @@ class Frame:
     PIECE = ord("B")  #: rank → supervisor: a piece of a session cell's value (``nbdist.values``)
     ERROR = ord("X")  #: rank → supervisor: JSON ``ErrorRecord``
     DEBUG = ord("D")  #: supervisor → rank: a line typed in the notebook for its debugger
+    #: supervisor → rank: write every thread's stack to the dump file now, from the thread that
+    #: reads this pipe (no signal: ``%dist_stacks`` where ``STACKS_SIGNAL`` would hurt the rank)
+    STACKS = ord("S")
+    #: supervisor → rank: dump your flight recorder; rank → supervisor: the dump (torch's JSON,
+    #: empty without one: ``rank/flight.py``)
+    COLLECTIVES = ord("C")
 
 
 def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview, flush: bool = True) -> None:
@@ -131,6 +137,15 @@ def write_frame(f: BinaryIO, kind: int, body: bytes | memoryview, flush: bool = 
     f.write(body)
     if flush:
         f.flush()
+
+
+def write_frame_parts(f: BinaryIO, kind: int, parts: list[bytes]) -> None:
+    """Write one frame whose body is ``parts`` joined, without joining them (a large value
+    is written where it lies), and flush it."""
+    f.write(_HEADER.pack(sum(len(p) for p in parts), kind))
+    for part in parts:
+        f.write(part)
+    f.flush()
 
 
 def read_frame(f: BinaryIO) -> tuple[int, bytes] | None:
@@ -470,7 +485,11 @@ class Pulled:
 
 class PushPayload(SessionKeys):
     """``%dist_push NAME``: set a session variable on every rank to the notebook's value
-    (``%dist_scatter NAME``: each rank's ``data`` is its own slice)."""
+    (``%dist_scatter NAME``: each rank's ``data`` is its own slice).
+
+    A large ``data`` travels after the pickle of the other keys, in the same frame, rather
+    than inside it (``session.run_cell``: the driver pickles the value once); the rank's
+    loader (``runtime._load_payload``) puts it back."""
 
     kind: Literal["push"]
     name: str
@@ -659,13 +678,17 @@ class NamesEvent(_RankMemory):
 class StacksEvent(TypedDict, total=False):
     """Supervisor → driver: the answer to a ``stacks`` request ``id``: the rank's threads as
     ``faulthandler`` writes them (``text``), or why there are none (``error``); with their
-    native (C) frames where py-spy is installed on the rank's host (``native``)."""
+    native (C) frames where py-spy is installed on the rank's host (``native``); its flight
+    recorder's dump (torch's JSON, ``fr``) where it ran collectives; the folder nbdist is
+    installed in there (``package``: its frames are left out)."""
 
     t: Literal["stacks"]
     id: int
     text: str
     error: str
     native: str
+    fr: str
+    package: str
 
 
 class DebugEvent(TypedDict):
@@ -721,12 +744,31 @@ class WorldEvent(TypedDict):
     env: dict[str, str]
 
 
-class CellEvent(TypedDict):
-    """Driver → session rank: run a payload (pickled, base64 text) as cell ``id``."""
-
+class _Cell0(TypedDict):
     t: Literal["cell"]
     id: int
     payload: str
+
+
+class CellEvent(_Cell0, total=False):
+    """Driver → session rank: run a payload (pickled, base64 text) as cell ``id``.
+
+    A large payload (a push, a scatter's slice: ``session.run_cell``) is never one message:
+    on the channel it comes first as ``chunks`` ``CellPartEvent`` pieces (``payload`` then
+    empty), which the supervisor joins; handed to a local supervisor as a call
+    (``Launcher.deliver``) it is ``frame``, the payload frame's parts as they are (no copy, no
+    base64; never on the wire)."""
+
+    chunks: int
+    frame: list[bytes]
+
+
+class CellPartEvent(TypedDict):
+    """Driver → session rank: the next piece (base64) of cell ``id``'s payload."""
+
+    t: Literal["cell_part"]
+    id: int
+    data: str
 
 
 class CancelEvent(TypedDict):
@@ -764,5 +806,5 @@ class PaceEvent(TypedDict):
 
 
 #: Everything the driver sends a rank on the event channel.
-DriverEvent = (WorldEvent | CellEvent | CancelEvent | InterruptEvent | PingEvent | PaceEvent
-               | StacksRequest | DebugEvent)
+DriverEvent = (WorldEvent | CellEvent | CellPartEvent | CancelEvent | InterruptEvent | PingEvent
+               | PaceEvent | StacksRequest | DebugEvent)

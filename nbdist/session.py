@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nbdist import _pickling, channel, state, values
+from nbdist import _pickling, channel, lifecycle, state, values
 from nbdist._timer import after
 from nbdist.errors import DistributedError, Reason
 from nbdist.errors import SessionError as SessionError
@@ -39,7 +39,7 @@ from nbdist.handle import STACKS_WAIT_S, Handle, register
 from nbdist.job import Job, unreachable_hint
 from nbdist.launch import Launcher, backends
 from nbdist.options import JobOptions
-from nbdist.protocol import CellEvent, Payload, RankOutcome, RankStatus
+from nbdist.protocol import CellEvent, CellPartEvent, Payload, RankOutcome, RankStatus
 from nbdist.stacks import Stacks
 from nbdist.waiting import wait_loop
 
@@ -221,36 +221,82 @@ class Session:
         or on ``targets`` only (``--targets``: the others' state stays untouched).
 
         ``per_rank(r)``, when given, adds rank ``r``'s own keys to its payload (a scatter's
-        slice): called for one rank at a time, just before its payload is sent."""
+        slice). Every rank's payload is pickled before the cell exists: a payload that cannot
+        be pickled raises here and leaves the session as it was (HARDENING.md rule 11).
+
+        A push's value (``data``) is pickled once, by the caller: it travels after the pickle
+        of the payload's other keys, as it is (``_frame``). Payloads larger than
+        ``DIRECT_BYTES`` go from a thread of their own, to one rank after another; on the
+        event channel in pieces of ``values.CHUNK`` (never as one base64 line per rank), to a
+        local rank's supervisor as a call with the bytes themselves (``Launcher.deliver``).
+        """
         ranks = sorted(set(targets)) if targets is not None else list(range(self.np))
         if not ranks or not all(0 <= r < self.np for r in ranks):
             raise ValueError(f"targets {list(ranks)}: session {self.id} has ranks "
                              f"0-{self.np - 1}")
         with self._lock:
             self.check_usable()
-            self._cell_ids += 1
-            cell = SessionCell(self, f"{self.id}.{self._cell_ids}", timeout, label, ranks)
+            number = self._cell_ids + 1
+            common = {**payload, "session": True, "keep": True, "cell": number}
+            frames: dict[int, list[bytes] | None]
+            if per_rank is None:
+                shared = _frame(common)  # one frame, every rank's
+                frames = {rank: shared for rank in ranks}
+            else:
+                frames = {rank: _frame({**common, **per_rank(rank)}) for rank in ranks}
+            self._cell_ids = number
+            cell = SessionCell(self, f"{self.id}.{number}", timeout, label, ranks)
             self._cell = cell
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
             self.warning = ""
         register(cell)
-        common = {**payload, "session": True, "keep": True, "cell": self._cell_ids}
-        message: CellEvent | None = None
-        direct = True
-        for rank in ranks:
-            if message is None or per_rank is not None:
-                own = common if per_rank is None else {**common, **per_rank(rank)}
-                pickled = _pickling.dumps(own)
-                direct = len(pickled) <= DIRECT_BYTES
-                body = base64.b64encode(pickled).decode()
-                message = {"t": "cell", "id": self._cell_ids, "payload": body}
-            # Direct: a local rank's supervisor takes a small one in this thread
-            # (``Launcher.deliver``); a large one goes on the channel (``DIRECT_BYTES``).
-            if not self.job.send(rank, message, direct=direct):
-                self._fail(f"rank {rank} of session {self.id} is not connected")
-                break
+        if all(sum(len(p) for p in parts or ()) <= DIRECT_BYTES for parts in frames.values()):
+            self._send_frames(number, frames)
+        else:
+            # Writing a large payload waits for each rank to read it: not the notebook's
+            # thread, which must stay free to wait on the cell and take the stop button.
+            threading.Thread(target=self._send_frames, args=(number, frames), daemon=True,
+                             name=f"nbdist-send-{cell.id}").start()
         return cell
+
+    def _send_frames(self, number: int, frames: dict[int, list[bytes] | None]) -> None:
+        """Send each rank its payload frame (dropping it once sent)."""
+        last: tuple[list[bytes], CellEvent] | None = None  # a frame every rank shares: encoded once
+        for rank in list(frames):
+            parts = frames[rank]
+            frames[rank] = None
+            assert parts is not None
+            if sum(map(len, parts)) <= DIRECT_BYTES:
+                if last is None or last[0] is not parts:
+                    last = (parts, {"t": "cell", "id": number,
+                                    "payload": base64.b64encode(b"".join(parts)).decode()})
+                message = last[1]
+                # Direct: a local rank's supervisor takes it in this thread
+                # (``Launcher.deliver``); elsewhere the channel.
+                ok = self.job.send(rank, message, direct=True)
+            else:
+                ok = (self.job.launcher.deliver(rank, {"t": "cell", "id": number,
+                                                       "payload": "", "frame": parts})
+                      or self._send_chunks(rank, number, parts))
+            del parts
+            if not ok:
+                self._fail(f"rank {rank} of session {self.id} is not connected")
+                return
+
+    def _send_chunks(self, rank: int, number: int, parts: list[bytes]) -> bool:
+        """A large payload on the event channel: pieces of at most ``values.CHUNK``, then the
+        cell (the kernel encodes one piece at a time)."""
+        chunks = 0
+        for part in parts:
+            view = memoryview(part)
+            for at in range(0, len(view), values.CHUNK):
+                piece: CellPartEvent = {"t": "cell_part", "id": number, "data": base64.b64encode(
+                    view[at:at + values.CHUNK]).decode()}
+                if not self.job.send(rank, piece):
+                    return False
+                chunks += 1
+        return self.job.send(rank, {"t": "cell", "id": number, "payload": "", "chunks": chunks})
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -435,9 +481,9 @@ class SessionCell(Handle):
         self._lock = threading.Lock()
         self._number = int(cell_id.rpartition(".")[2])
         self._incoming: dict[int, values.Receiver] = {}  # rank → its value, arriving
-        self._errors: dict[int, str] = {}
-        self._first_error: int | None = None
-        self._interrupted: str | None = None
+        self._errors: dict[int, str] = {}  # rank → its traceback
+        # The cell's life (``lifecycle.CellMachine``): decided there, under ``_lock``.
+        self._machine = lifecycle.CellMachine(self._ranks)
         self._grace: threading.Timer | None = None
         self._timer: threading.Timer | None = None
         if timeout is not None:
@@ -517,33 +563,49 @@ class SessionCell(Handle):
         return receiver.next_buffer(size) if receiver is not None and type(size) is int else None
 
     def _rank_ended(self, rank: int, value: Any, error: tuple[str, str, str] | None) -> None:
+        stimulus: lifecycle.CellStimulus
         with self._lock:
             if self.settled or rank in self._values or rank in self._errors:
                 return
             if error is None:
                 self._values[rank] = value
+                stimulus = lifecycle.CellValue(rank, time.time())
             else:
                 self._errors[rank] = error[2]
-                if self._first_error is None and error[0] != "KeyboardInterrupt":
-                    self._first_error = rank
-                    self._first_what = f"{error[0]}: {error[1]}"
-            running = [r for r in self._ranks if r not in self._values and
-                       r not in self._errors]
-            first_failure = error is not None and self._interrupted is None and running
+                stimulus = lifecycle.CellError(rank, error[0], error[1], time.time())
+            actions = self._machine.handle(stimulus)
         self.state.set_rank(rank, state.DONE if error is None else state.FAILED)
-        if first_failure:
-            # Others may wait for this rank in a collective: stop them as an interrupt does.
-            self.cancel(f"rank {rank} failed")
-        if not running:
-            self._complete()
+        self._do(actions)
+
+    def _act(self, stimulus: lifecycle.CellStimulus) -> None:
+        with self._lock:
+            actions = self._machine.handle(stimulus)
+        self._do(actions)
+
+    def _do(self, actions: list[lifecycle.CellAction]) -> None:
+        for action in actions:
+            if isinstance(action, lifecycle.Interrupt):
+                # The first failure: others may wait for this rank in a collective, so they
+                # are stopped as an interrupt does; a rank that does not stop breaks the session.
+                self.session.interrupt(self, list(action.ranks))
+                self._grace = after(INTERRUPT_GRACE_S, self._stuck, action.reason)
+            elif isinstance(action, lifecycle.BreakSession):
+                self.session._fail(
+                    f"ranks {', '.join(map(str, action.ranks))} did not stop within "
+                    f"{INTERRUPT_GRACE_S:g} s of the interrupt ({action.reason}; a rank blocked "
+                    f"in a collective never sees it)")
+            elif isinstance(action, lifecycle.SettleCell):
+                self._complete()
 
     def _complete(self) -> None:
         if self._grace is not None:
             self._grace.cancel()
-        if self._first_error is not None:
-            first = self._first_error
+        first_error = self._machine.first_error
+        if first_error is not None:
+            first = first_error
             others = sorted(r for r in self._errors if r != first)
-            msg = f"rank {first} of {self.np} failed: {self._first_what}"
+            kind, message = self._machine.errors[first]
+            msg = f"rank {first} of {self.np} failed: {kind}: {message}"
             if others:
                 msg += (f" (rank {others[0]} was interrupted after it)" if len(others) == 1
                         else f" (ranks {', '.join(map(str, others))} were interrupted after it)")
@@ -552,7 +614,7 @@ class SessionCell(Handle):
             self.end(DistributedError(msg, job_id=self.id, reason=Reason.FAILED, failures=failures))
         elif self._errors:
             self.end(DistributedError(
-                f"cell {self.id} was interrupted ({self._interrupted}) on ranks "
+                f"cell {self.id} was interrupted ({self._machine.interrupted}) on ranks "
                 f"{', '.join(map(str, sorted(self._errors)))}; session {self.session.id} is "
                 f"still running, its variables intact", job_id=self.id, reason=Reason.CANCELLED,
             ))
@@ -588,29 +650,12 @@ class SessionCell(Handle):
     def cancel(self, reason: str = "interrupted from the notebook") -> None:
         """Interrupt the cell on every rank; a second cancel, or a rank that does not stop
         within ``INTERRUPT_GRACE_S``, tears the session down."""
-        if self.settled:
-            return
-        with self._lock:
-            again = self._interrupted is not None
-            if not again:
-                self._interrupted = reason
-            running = [r for r in self._ranks if r not in self._values and
-                       r not in self._errors]
-        if again:
-            return  # the grace timer below is already running
-        self.session.interrupt(self, running)
-        self._grace = after(INTERRUPT_GRACE_S, self._stuck, reason)
+        if not self.settled:
+            self._act(lifecycle.Cancel(reason, time.time()))
 
     def _stuck(self, reason: str) -> None:
-        if self.settled:
-            return
-        with self._lock:
-            running = [r for r in self._ranks if r not in self._values and
-                       r not in self._errors]
-        self.session._fail(
-            f"ranks {', '.join(map(str, running))} did not stop within {INTERRUPT_GRACE_S:g} s "
-            f"of the interrupt ({reason}; a rank blocked in a collective never sees it)"
-        )
+        if not self.settled:
+            self._act(lifecycle.GraceOver(time.time()))
 
     def wait(
         self, timeout: float | None = None, on_tick: Callable[[], None] | None = None
@@ -632,6 +677,16 @@ class SessionCell(Handle):
 
     def __repr__(self) -> str:
         return f"<nbdist cell {self.id} on session {self.session.id}: {self.state.status}>"
+
+
+def _frame(payload: Mapping[str, Any]) -> list[bytes]:
+    """A payload's frame for its rank, in parts: its pickle; for a large push, the pickle of
+    its other keys and then its value's pickle as it is (``protocol.PushPayload``), so that
+    the value is never copied into a second pickle."""
+    data = payload.get("data")
+    if payload.get("kind") == "push" and isinstance(data, bytes) and len(data) > DIRECT_BYTES:
+        return [_pickling.dumps({k: v for k, v in payload.items() if k != "data"}), data]
+    return [_pickling.dumps(payload)]
 
 
 def _stop_at_exit() -> None:

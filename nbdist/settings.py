@@ -16,7 +16,9 @@ The knobs (docs/magics.md lists them with their defaults):
 - ``capacity_wait``, ``checkpoint_root``: the defaults of jobs that restart;
 - ``stacks_when_quiet``: take the ranks' stacks once when a running rank printed nothing for
   so many seconds;
-- ``warm_at_load``: start the first local job's zygote at ``%load_ext``.
+- ``warm_at_load``: start the first local job's zygote at ``%load_ext``;
+- ``flight_recorder``: entries of torch's flight recorder in every rank
+  (``TORCH_FR_BUFFER_SIZE``; 0: off; docs/collectives.md).
 
 Standard library only; pure.
 """
@@ -37,6 +39,9 @@ MIN_HEARTBEAT_TIMEOUT_S = 10.0
 #: How long a restart waits for the backend to have the slots again, by default (seconds).
 CAPACITY_WAIT_S = 300.0
 VIEWS = ("auto", "panel", "text")
+#: The flight recorder's entries per rank by default: a few hundred collectives, about 140 KB
+#: of JSON when dumped (docs/collectives.md).
+FLIGHT_RECORDER_ENTRIES = 256
 
 
 def check_heartbeat_timeout(value: str | float, source: str) -> float | None:
@@ -104,6 +109,11 @@ def _heartbeat(v: Any) -> str | None:
     return None
 
 
+def _entries(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else \
+        "a whole number of entries, 0 or more (0: off)"
+
+
 def _flag(v: Any) -> str | None:
     return None if isinstance(v, bool) else "True or False"
 
@@ -121,6 +131,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "checkpoint_root": _text,
     "stacks_when_quiet": _optional_positive,
     "warm_at_load": _flag,
+    "flight_recorder": _entries,
 }
 
 
@@ -153,6 +164,10 @@ class Settings:
     stacks_when_quiet: float | None = None
     #: Start the first local job's zygote at %load_ext (read when nbdist loads).
     warm_at_load: bool = True
+    #: Entries of torch's flight recorder in every rank (TORCH_FR_BUFFER_SIZE; 0: off; a
+    #: job's ``--env TORCH_FR_BUFFER_SIZE=N`` wins): the collectives a hung job's error and
+    #: ``%dist_stacks`` line up by rank (``nbdist.collectives``).
+    flight_recorder: int = FLIGHT_RECORDER_ENTRIES
 
     def __setattr__(self, name: str, value: Any) -> None:
         check = _CHECKS.get(name)

@@ -12,16 +12,23 @@ I/O: ``Job.stacks`` gathers, this groups and renders.
 from __future__ import annotations
 
 import html
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from nbdist.collectives import Collectives, analyse
+from nbdist.collectives import rank_ranges as rank_ranges  # shown with the stacks
+
 #: ``  File "path", line 12 in func``
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ ")
-#: nbdist's own modules, wherever nbdist is installed on the rank's host.
-_NBDIST = re.compile(r"[/\\]nbdist[/\\](?:\w+[/\\])?\w+\.py$")
+#: Where this nbdist is installed. nbdist's own frames are the files under the folder it is
+#: installed in, known by that place and never by a folder's name (a user's package, or a clone
+#: of this repository, may well sit in a folder named ``nbdist``). A rank's host may have it
+#: elsewhere: its supervisor says where (``StacksEvent.package``).
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: Modules a thread of nbdist's waits in; a thread with nothing else is nbdist's own.
 _PLUMBING = re.compile(r"[/\\](?:threading|queue|selectors|socket|subprocess)\.py$")
 #: Where the rank's code runs: the thread whose bottom frames are these is the cell's.
@@ -64,8 +71,15 @@ class ThreadStack:
         return f"{calls} ({at.where()})"
 
 
-def parse(text: str) -> list[ThreadStack]:
-    """``faulthandler``'s text for all threads → each thread's frames, nbdist's left out.
+def _under(file: str, package: str) -> bool:
+    """Is ``file`` (a path on the rank's host, either separator) inside folder ``package``?"""
+    root = package.rstrip("/\\")
+    return bool(root) and file.startswith(root) and file[len(root):len(root) + 1] in ("/", "\\")
+
+
+def parse(text: str, package: str = PACKAGE_DIR) -> list[ThreadStack]:
+    """``faulthandler``'s text for all threads → each thread's frames, nbdist's (the files
+    under ``package``, where nbdist is installed on the rank's host) left out.
 
     A thread made only of nbdist's frames and the standard library's waiting (its channel,
     its output pacer) is not the user's and is dropped; the cell's thread keeps the frames
@@ -81,9 +95,8 @@ def parse(text: str) -> list[ThreadStack]:
             threads[-1].append(StackFrame(hit["file"], int(hit["line"]), hit["func"]))
     out: list[ThreadStack] = []
     for frames in threads:
-        ours = [f for f in frames if _NBDIST.search(f.file) or f.file == "<string>"]
-        cell = any(_NBDIST.search(f.file) and f.func in _RUNTIME_ENTRY
-                   and f.file.endswith("runtime.py") for f in ours)
+        ours = [f for f in frames if f.file == "<string>" or _under(f.file, package)]
+        cell = any(f.func in _RUNTIME_ENTRY and f.file.endswith("runtime.py") for f in ours)
         kept = [f for f in frames if f not in ours]
         if ours and not cell and all(_PLUMBING.search(f.file) for f in kept):
             continue  # one of nbdist's own threads
@@ -108,33 +121,27 @@ class StackGroup:
         return self.threads[0].summary() if self.threads else "no Python thread"
 
 
-def group(dumps: Mapping[int, str]) -> list[StackGroup]:
-    """Fold the ranks' dumps into groups of equal stacks, the most common group first."""
+def group(dumps: Mapping[int, str],
+          packages: Mapping[int, str] | None = None) -> list[StackGroup]:
+    """Fold the ranks' dumps into groups of equal stacks, the most common group first.
+    ``packages``: where nbdist is installed on each rank's host (this process's place for a
+    rank left out)."""
     by_key: dict[tuple[ThreadStack, ...], list[int]] = {}
     for rank in sorted(dumps):
-        by_key.setdefault(tuple(parse(dumps[rank])), []).append(rank)
+        package = (packages or {}).get(rank) or PACKAGE_DIR
+        by_key.setdefault(tuple(parse(dumps[rank], package)), []).append(rank)
     groups = [StackGroup(ranks, key) for key, ranks in by_key.items()]
     return sorted(groups, key=lambda g: (-len(g.ranks), g.ranks[0]))
 
 
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """``rank 3``, ``ranks 0–2, 4–7``."""
-    ordered = sorted(set(ranks))
-    spans: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        first, last = ordered[i], ordered[j]
-        if last == first:
-            spans.append(str(first))
-        elif last == first + 1:
-            spans.extend((str(first), str(last)))
-        else:
-            spans.append(f"{first}–{last}")
-        i = j + 1
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(spans)
+def _where(g: StackGroup) -> str:
+    """Where a group's cell thread is: ``cell line 41``, ``train.py:41``; "" if unknown."""
+    cell = next((t for t in g.threads if t.cell), None)
+    if cell is None or not cell.frames:
+        return ""
+    inner = list(reversed(cell.frames))
+    at = next((f for f in inner if f.in_cell), inner[0])
+    return at.where() if at.in_cell else f"{os.path.basename(at.file)}:{at.line}"
 
 
 @dataclass
@@ -149,16 +156,31 @@ class Stacks:
     #: Rank → its threads with their native (C) frames, as py-spy read them, where it is
     #: installed on the rank's host (``rank.supervisor.native_stacks``).
     native: dict[int, str] = field(default_factory=dict)
+    #: Where the ranks stand in their collectives (their flight recorders lined up:
+    #: ``nbdist.collectives``); empty when they ran none.
+    collectives: Collectives = field(default_factory=lambda: Collectives(()))
+    #: Where the ranks' raw flight recorder dumps were written, or why they were not.
+    saved: str = ""
 
     @classmethod
     def from_dumps(cls, job_id: str, dumps: Mapping[int, str],
                    missing: Mapping[int, str] | None = None, seconds: float = 0.0,
-                   native: Mapping[int, str] | None = None) -> Stacks:
-        return cls(job_id, group(dumps), dict(missing or {}), seconds, dict(native or {}))
+                   native: Mapping[int, str] | None = None,
+                   fr: Mapping[int, str] | None = None,
+                   ranks: Iterable[int] | None = None,
+                   packages: Mapping[int, str] | None = None) -> Stacks:
+        """``fr``: rank → its flight recorder's dump; ``ranks``: every rank asked; ``packages``:
+        where nbdist is installed on each rank's host."""
+        groups = group(dumps, packages)
+        where = {r: _where(g) for g in groups for r in g.ranks}
+        every = sorted(set(ranks if ranks is not None else dumps) | set(missing or {}))
+        coll = analyse(fr or {}, every, where) if fr else Collectives(())
+        return cls(job_id, groups, dict(missing or {}), seconds, dict(native or {}), coll)
 
     def summary(self) -> str:
         """One line per group: ``ranks 0–2, 4–7: all_reduce ← step (cell line 41)``."""
-        lines = [f"{rank_ranges(g.ranks)}: {g.summary()}" for g in self.groups]
+        lines = [self.collectives.text()] if self.collectives else []
+        lines += [f"{rank_ranges(g.ranks)}: {g.summary()}" for g in self.groups]
         lines += [f"rank {r}: {why.splitlines()[0] if why else 'no answer'}"
                   for r, why in sorted(self.missing.items())]
         return "\n".join(lines)
@@ -166,7 +188,10 @@ class Stacks:
     def text(self) -> str:
         """Each group with its threads' frames (as a traceback: most recent call last), then
         the ranks that did not answer with their last lines."""
-        out = [f"stacks of job {self.job_id} ({self.seconds:.2f} s):"]
+        out = [self.collectives.text()] if self.collectives else []
+        if self.collectives and self.saved:
+            out.append(f"  ({self.saved})")
+        out.append(f"stacks of job {self.job_id} ({self.seconds:.2f} s):")
         for g in self.groups:
             out.append(f"{rank_ranges(g.ranks)}: {g.summary()}")
             for t in g.threads:

@@ -4,10 +4,12 @@ live here: what tests call is in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -68,6 +70,75 @@ def _descendants() -> dict[int, str]:
         except psutil.Error:
             pass
     return out
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--file-durations", action="store_true",
+                     help="end with the seconds each test file took (set-up, call and "
+                          "tear-down of its tests, summed; `make test`)")
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _file_seconds[path] = _file_seconds.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """``--file-durations``: the seconds of each test file, the longest first (under xdist
+    the files overlap in time: they add up to more than the wall time)."""
+    if not config.getoption("--file-durations") or not _file_seconds:
+        return
+    terminalreporter.section("seconds per test file (set-up + call + tear-down)")
+    for path, seconds in sorted(_file_seconds.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_file_seconds.values()):8.1f}  in all")
+
+
+#: Markers of what only one process at a time may hold (one Spark JVM and standalone cluster, one
+#: Ray cluster, the multi-host tests' simulated hosts on a fixed subnet, the browser's JupyterLab):
+#: under pytest-xdist (``make test``: ``-n ... --dist loadgroup``) the tests of each run in one
+#: worker, in their file order, while the other workers share out the rest.
+XDIST_GROUPS = ("multihost", "spark", "ray", "browser")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test of an ``XDIST_GROUPS`` marker (or that uses a Spark fixture) joins that xdist
+    group; where torch is not installed (the version matrix's Pythons), ``torch`` tests skip."""
+    grouping = config.pluginmanager.hasplugin("xdist")
+    no_torch = importlib.util.find_spec("torch") is None
+    for item in items:
+        if no_torch and item.get_closest_marker("torch"):
+            item.add_marker(pytest.mark.skip(reason="needs torch (nbdist[torch])"))
+        if not grouping or item.get_closest_marker("xdist_group"):
+            continue
+        group = next((m for m in XDIST_GROUPS if item.get_closest_marker(m)), None)
+        if group is None and uses_spark(item):
+            group = "spark"
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+class _GroupsCheck:
+    """Fails the run where pytest-xdist did not put the groups in the tests' ids (pytest 9.2
+    with xdist 3.8 did not, and every worker started a Spark cluster of its own)."""
+
+    @pytest.hookimpl(trylast=True)  # after xdist's
+    def pytest_collection_modifyitems(self, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
+        lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group")
+                and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {len(lost)} tests (such as "
+                                    f"{lost[0]}): see the pytest pin in pyproject.toml")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        config.pluginmanager.register(_GroupsCheck(), "nbdist-xdist-groups")
 
 
 @pytest.hookimpl(trylast=True)

@@ -371,6 +371,9 @@ def release(items: Sequence[pytest.Item], nextitem: pytest.Item | None) -> None:
     if no test left does (called from ``pytest_runtest_teardown``)."""
     if _manager is None or nextitem is None or uses_spark(nextitem):
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # xdist ran this worker every Spark test, in a
+        _manager.stop()  # row (their group, tests/conftest.py): none comes after the next one
+        return
     rest = items[items.index(nextitem):] if nextitem in items else []
     if any(uses_spark(item, CLUSTER_FIXTURES) for item in rest):
         _manager.stop_session()

@@ -230,11 +230,13 @@ def _dump(*threads: list[tuple[str, int, str]]) -> str:
     return "\n".join(out)
 
 
-RUNTIME = "/site-packages/nbdist/rank/runtime.py"
+#: nbdist's own frames: files under the folder this nbdist is installed in.
+PACKAGE = os.path.dirname(nbdist.__file__)
+RUNTIME = os.path.join(PACKAGE, "rank", "runtime.py")
 NBDIST_THREAD = [("/usr/lib/python3.11/threading.py", 995, "_bootstrap"),
                  ("/usr/lib/python3.11/threading.py", 1038, "_bootstrap_inner"),
                  ("/usr/lib/python3.11/threading.py", 975, "run"),
-                 (RUNTIME, 640, "watch"), ("/site-packages/nbdist/protocol.py", 129, "read_frame")]
+                 (RUNTIME, 640, "watch"), (os.path.join(PACKAGE, "protocol.py"), 129, "read_frame")]
 
 
 def _cell_thread(*inner: tuple[str, int, str]) -> list[tuple[str, int, str]]:
@@ -264,6 +266,58 @@ def test_stacks_fold_equal_ranks_and_leave_out_nbdist() -> None:
     assert "watch" not in text and "    step 9" in text
     assert stacks.rank_ranges([5, 1, 2]) == "ranks 1, 2, 5"
     assert stacks.rank_ranges([0, 1, 2, 3]) == "ranks 0–3"
+
+
+def test_nbdist_frames_are_known_by_where_it_is_installed_not_by_a_folder_name() -> None:
+    """Frames under the folder nbdist is installed in on the rank's host are left out; a user's
+    files in a folder that is merely named ``nbdist`` (a clone of this repository, a package of
+    the user's) keep theirs."""
+    from nbdist import stacks
+
+    elsewhere = "/opt/venv/lib/python3.11/site-packages/nbdist"  # the rank's host's install
+    theirs = [("<string>", 1, "<module>"), (f"{elsewhere}/rank/runtime.py", 660, "main"),
+              (f"{elsewhere}/rank/runtime.py", 520, "_serve"),
+              (f"{elsewhere}/rank/runtime.py", 137, "_run_cell"),
+              ("<cell In[2]>", 3, "<module>"), ("/home/ann/nbdist/tests/test_x.py", 12, "step"),
+              ("/home/ann/nbdist/nbdist_user.py", 7, "inner")]
+    [g] = stacks.group({0: _dump(theirs)}, packages={0: elsewhere})
+    assert g.summary() == "inner ← step ← <module> (cell line 3)", g.summary()
+    [thread] = g.threads
+    assert [f.file for f in thread.frames] == [
+        "<cell In[2]>", "/home/ann/nbdist/tests/test_x.py", "/home/ann/nbdist/nbdist_user.py"]
+    # Without the rank's answer, this process's own install is nbdist's: the other one is not.
+    [mine] = stacks.group({0: _dump(theirs)})
+    assert f"{elsewhere}/rank/runtime.py" in {f.file for t in mine.threads for f in t.frames}
+
+
+def _waits_in_a_module_of_a_folder_named_nbdist(folder: str, gate: Gate) -> None:
+    import importlib
+    import sys
+
+    sys.path.insert(0, folder)
+    importlib.import_module("nbdist_user_waits").wait_here(gate)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dist_stacks_keeps_a_user_module_in_a_folder_named_nbdist(tmp_path: Path, gate: Gate
+                                                                  ) -> None:
+    """A rank waiting in a user's module that lives in a folder named ``nbdist`` shows that
+    module's frames in its stacks: only where nbdist is installed makes a frame nbdist's."""
+    folder = tmp_path / "nbdist"
+    folder.mkdir()
+    module = folder / "nbdist_user_waits.py"
+    module.write_text("def wait_here(gate):\n    print('in', flush=True)\n    gate.wait()\n")
+    job = nbdist.run(_waits_in_a_module_of_a_folder_named_nbdist, str(folder), gate, np=1,
+                     backend="local", gpu=False)
+    try:
+        wait_for(lambda: job.state.ranks[0].lines >= 1, 60, "the rank to be in wait_here")
+        got = job.stacks()
+        assert "wait_here" in got.summary(), got.text()
+        assert f'File "{module}", line 3, in wait_here' in got.text(), got.text()
+    finally:
+        gate.open()
+        job.wait(60)
 
 
 def test_native_frames_show_once_per_group() -> None:

@@ -115,7 +115,9 @@ REFUSALS: list[tuple[str, str, Callable[[Path], Any], str, list[str]]] = [
 
 
 @pytest.mark.parametrize(("var", "factory", "cell", "says"),
-                         [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+                         [pytest.param(*r[1:], id=r[0],
+                                       marks=pytest.mark.torch if r[0].startswith("cuda") else ())
+                          for r in REFUSALS])
 def test_unshippable_values_are_refused_with_a_fix(
     made: Any, tmp_path: Path, var: str, factory: Callable[[Path], Any], cell: str,
     says: list[str],

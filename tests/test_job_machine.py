@@ -1,6 +1,6 @@
 """A job's life as a pure machine (``nbdist.lifecycle``), without any process: the rows of the
 fault matrix (docs/reliability.md) that are about the order things happen in, as a table of
-stimuli in and actions and verdicts out."""
+stimuli in and actions and verdicts out, and a restart's wait for capacity turn by turn."""
 
 from __future__ import annotations
 
@@ -10,19 +10,28 @@ import pytest
 
 from nbdist.lifecycle import (
     Action,
+    BreakSession,
     Cancel,
+    CapacityWait,
+    CellError,
+    CellMachine,
+    CellValue,
     Drain,
     End,
     Fail,
+    GraceOver,
     Hello,
+    Interrupt,
     JobMachine,
     MarkFailed,
     Outcome,
     RankFailing,
     Refuse,
     SendWorld,
+    SettleCell,
     Silent,
     StacksTaken,
+    Step,
     Stimulus,
     StopRanks,
     TakeStacks,
@@ -170,3 +179,83 @@ def test_a_stimulus_of_another_kind_is_refused() -> None:
     """Only the machine's stimuli go in."""
     with pytest.raises(TypeError, match="not a stimulus"):
         JobMachine(1).handle("ping")  # type: ignore[arg-type]
+
+
+# -- a job that restarts, waiting for the slots of its ranks --------------------------------------
+WAITS = [
+    # (name, capacity_wait, job deadline, turns: (now, cancelled, fits) -> step)
+    ("the slots come back within the wait: the attempt starts", 300.0, None,
+     [((10.0, False, False), Step.WAIT), ((12.0, False, True), Step.START)]),
+    ("the wait runs out: the job gives up, naming --capacity-wait", 5.0, None,
+     [((10.0, False, False), Step.WAIT), ((15.0, False, False), Step.GIVE_UP)]),
+    ("a timeout during a restart wait: the job's --timeout ends it first", 300.0, 14.0,
+     [((10.0, False, False), Step.WAIT), ((14.0, False, False), Step.GIVE_UP)]),
+    ("a cancel during the wait wins over slots that came back", 300.0, None,
+     [((10.0, False, False), Step.WAIT), ((11.0, True, True), Step.CANCEL)]),
+    ("slots at the last moment still start the attempt", 5.0, None,
+     [((15.0, False, True), Step.START)]),
+]
+
+
+@pytest.mark.parametrize(("capacity_wait", "deadline", "turns"),
+                         [w[1:] for w in WAITS], ids=[w[0] for w in WAITS])
+def test_a_restart_waits_for_capacity_within_the_first_bound(
+        capacity_wait: float, deadline: float | None,
+        turns: list[tuple[tuple[float, bool, bool], Step]]) -> None:
+    """Each turn of the wait: cancel first, then the slots, then the nearer of
+    ``--capacity-wait`` and the job's ``--timeout``."""
+    wait = CapacityWait.begin(10.0, capacity_wait, deadline, 60.0)
+    for (now, cancelled, fits), expected in turns:
+        assert wait.step(now, cancelled=cancelled, fits=fits)[0] is expected, now
+    assert wait.bound == ("the job's --timeout of 60 s" if deadline is not None
+                          else f"{capacity_wait:g} s (--capacity-wait)")
+
+
+# -- a session's cell -----------------------------------------------------------------------------
+CELLS = [
+    ("every rank's value: the cell is done", 2, [
+        (CellValue(0, 1.0), []), (CellValue(1, 1.1), [SettleCell(End.DONE)]),
+    ], End.DONE, None),
+    ("the first failure interrupts the others and is the one named", 3, [
+        (CellError(2, "ValueError", "bad", 1.0), [Interrupt((0, 1), "rank 2 failed")]),
+        (CellError(0, "KeyboardInterrupt", "", 1.1), []),
+        (CellError(1, "RuntimeError", "peer gone", 1.2), [SettleCell(End.FAILED)]),
+    ], End.FAILED, 2),
+    ("an interrupt's KeyboardInterrupts are not the cell's failure: it was interrupted", 2, [
+        (Cancel("interrupted from the notebook", 1.0),
+         [Interrupt((0, 1), "interrupted from the notebook")]),
+        (Cancel("again", 1.1), []),
+        (CellError(0, "KeyboardInterrupt", "", 1.2), []),
+        (CellError(1, "KeyboardInterrupt", "", 1.3), [SettleCell(End.CANCELLED)]),
+    ], End.CANCELLED, None),
+    ("a rank that does not stop within the grace breaks the session", 2, [
+        (Cancel("interrupted from the notebook", 1.0),
+         [Interrupt((0, 1), "interrupted from the notebook")]),
+        (CellError(0, "KeyboardInterrupt", "", 1.2), []),
+        (GraceOver(11.0), [BreakSession((1,), "interrupted from the notebook")]),
+    ], None, None),
+    ("a cell on some ranks (--targets) waits for those only", (1, 3), [
+        (CellError(3, "ValueError", "bad", 1.0), [Interrupt((1,), "rank 3 failed")]),
+        (CellError(1, "KeyboardInterrupt", "", 1.1), [SettleCell(End.FAILED)]),
+    ], End.FAILED, 3),
+    ("a rank's last word after the cell settled changes nothing", 1, [
+        (CellValue(0, 1.0), [SettleCell(End.DONE)]),
+        (CellError(0, "RuntimeError", "late", 1.1), []),
+        (GraceOver(11.0), []), (Cancel("late", 12.0), []),
+    ], End.DONE, None),
+]
+
+
+@pytest.mark.parametrize(("np", "steps", "verdict", "first"), [c[1:] for c in CELLS],
+                         ids=[c[0] for c in CELLS])
+def test_a_session_cell_ends_by_the_order_of_its_ranks(
+        np: int | tuple[int, ...], steps: list[tuple[object, list[object]]], verdict: End | None,
+        first: int | None) -> None:
+    """Each stimulus of a session cell gives exactly its actions; the verdict and the rank
+    the error names follow who failed first."""
+    machine = CellMachine(tuple(range(np)) if isinstance(np, int) else np)
+    for stimulus, expected in steps:
+        assert machine.handle(stimulus) == expected, stimulus  # type: ignore[arg-type]
+    if verdict is not None:
+        assert machine.settled and machine.verdict() is verdict
+    assert machine.first_error == first

@@ -45,6 +45,8 @@ def test_quickstart_trains_on_two_ranks() -> None:
     assert found is not None, texts[3]
     accuracy = float(found.group(1))
     assert accuracy > 80
+    assert texts[4].startswith("%dist_check of 2 ranks"), texts[4]
+    assert "all-reduce (bus bandwidth as nccl-tests computes it):" in texts[4]
 
 
 @pytest.mark.slow

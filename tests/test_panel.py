@@ -16,7 +16,7 @@ import ipywidgets as w
 import pytest
 
 from nbdist import state
-from nbdist.views.widget import LOG_VIEW_LINES, Panel, _Static
+from nbdist.views.widget import LOG_VIEW_LINES, Panel, _Static, title
 
 from .helpers import cluster_job, out, running_job, wait_for
 
@@ -168,7 +168,7 @@ def test_a_large_job_groups_every_rank_by_host_closed_and_leads_with_the_ranks_w
     assert "behind the rest: 5" in panel.summary.value
     assert panel.groups.selected_index is None and panel.hosts.selected_index is None
     assert len(panel.hosts.children) == 8
-    assert panel.hosts.titles[5].startswith("node-5 · ranks 40-47 · 7 running, 1 failed")
+    assert title(panel.hosts, 5).startswith("node-5 · ranks 40-47 · 7 running, 1 failed")
     job.finish(state.FAILED, "rank 40 failed")
     panel.close()
     tables = [child.value for child in panel.hosts.children]

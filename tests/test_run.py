@@ -126,16 +126,18 @@ def test_failure_names_the_rank_and_tears_the_others_down() -> None:
             raise ValueError("bad shard 7")
         time.sleep(600)
 
-    started = time.monotonic()
     job = nbdist.run(work, np=2)
+    # Torn down, not waited for: rank 0 sleeps 600 s, past this deadline (a TimeoutError). No
+    # timed assert beside it: a loaded machine took 44 s where 30 s was asserted.
     with pytest.raises(nbdist.DistributedError) as info:
-        job.result(timeout=60)
+        job.result(timeout=90)
     err = info.value
-    assert time.monotonic() - started < 30
     assert "rank 1 of 2 failed: ValueError: bad shard 7" in str(err)
     assert list(err.failures) == [1]
     assert 'raise ValueError("bad shard 7")' in err.failures[1]
-    assert "nbdist/" not in err.failures[1]  # the user's frames only
+    # The user's frames only: none of the files of nbdist's install (the tests' own folder may
+    # well be named nbdist: a clone of this repository).
+    assert os.path.dirname(nbdist.__file__) + os.sep not in err.failures[1], err.failures[1]
     assert job.state.ranks[0].status == state.CANCELLED and job.state.status == state.FAILED
     wait_for(lambda: not rank_processes(), 10, "every rank process to exit")
     rendered = "\n".join(err._render_traceback_())

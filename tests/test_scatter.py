@@ -102,3 +102,27 @@ def test_bad_scatters_are_usage_errors(ip: Any, live: sessions.Session) -> None:
     with pytest.raises(UsageError, match="no variable 'missing'"):
         run(ip, "%dist_scatter missing")
     assert live.alive
+
+
+@pytest.mark.slow
+def test_a_refused_scatter_push_or_gather_leaves_the_session_as_it_was(
+        ip: Any, live: sessions.Session) -> None:
+    """A list holding a lock in its last slice, scattered or pushed (after a good name), is
+    refused before any rank is involved; a gather of a lock fails that cell alone: the next
+    cell runs, the ranks' variables are kept (issue 36)."""
+    from nbdist.errors import CaptureError, DistributedError
+
+    run(ip, "import threading\nkept = 7\n"
+            "locked = [1, 2, 3, 4, 5, threading.Lock()]\n")
+    run(ip, "%dist_push kept")
+    before = live.job.state.ranks[0].pid, live.last_cell
+    with pytest.raises(CaptureError, match="locked"):
+        run(ip, "%dist_scatter locked")
+    with pytest.raises(CaptureError, match="locked"):
+        run(ip, "%dist_push kept locked")
+    assert (live.job.state.ranks[0].pid, live.last_cell) == before  # no cell was started
+    run(ip, "%%distributed\nlock_here = __import__('threading').Lock()")
+    with pytest.raises(DistributedError):
+        run(ip, "%dist_gather lock_here")
+    assert run(ip, "%%distributed -o seen\nkept + 1") == 8
+    assert ip.user_ns["seen"] == [8, 8, 8] and live.alive

@@ -36,6 +36,7 @@ def live(ip: Any) -> Iterator[sessions.Session]:
 
 
 @pytest.mark.slow
+@pytest.mark.torch
 def test_state_and_process_group_persist_across_cells(ip: Any, live: sessions.Session) -> None:
     """A model and a gloo process group made in one cell are used by the next two."""
     run(ip, "%%distributed\n"
@@ -429,7 +430,8 @@ def test_idle_timeout_warns_then_stops(ip: Any, monkeypatch: pytest.MonkeyPatch,
     run(ip, "%dist_session start -np -1 --idle-timeout 2")
     live = sessions.current()
     assert live is not None
-    assert live.wait(GONE_WITHIN_S)
+    # 2 s idle, then the stop: generous on a loaded machine (10 s failed there once).
+    assert live.wait(60)
     out = capsys.readouterr().out
     assert "will be stopped in" in out and "was idle for 2 s (--idle-timeout): stopping" in out
     assert not rank_processes()

@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
 import urllib.parse
@@ -56,6 +57,16 @@ YOUNG_SESSION_S = 120.0
 #: The supervisors' SIGKILL comes after ``rank.TERM_GRACE_S`` (2 s), Spark's kill of a task's
 #: Python worker within about 4 s more: both inside the 10 s the contract allows.
 CANCEL_GRACE_S = 4.0
+#: Spark Connect: how often a running stage checks that its server still takes connections,
+#: and how many refusals in a row mean it is gone. pyspark's client retries a lost server for
+#: minutes (its retry policy), during which the stage's ``collect()`` neither ends nor fails:
+#: the ranks are gone with the server's executors, and the job would wait for ever.
+SERVER_PROBE_S = 1.0
+SERVER_PROBES = 3
+#: After a cancel (a timeout, the stop button), how long the stage's own end is waited for
+#: beyond ``CANCEL_GRACE_S`` before its ranks are given up as lost with the backend (a Connect
+#: server that answers no more, an interrupt that hangs): the job's bounded grace.
+GIVE_UP_S = 10.0
 
 #: One secret per Spark application: its executors' zygotes fork ranks only for those who know it.
 _APP_SECRETS: dict[str, str] = {}
@@ -286,6 +297,10 @@ class SparkLauncher:
         self.interrupted: tuple[str, ...] = ()
         self._finished = threading.Event()
         self._per_task = 1  # ranks per barrier task: the GPUs of a task, with --gpu
+        #: The ranks' outcomes were given (by the stage's end, or given up on: ``_settle``).
+        self._settled = False
+        self._on_outcome: Callable[[RankOutcome], None] | None = None
+        self._np = 0
 
     # -- capacity ---------------------------------------------------------------------------
     def cluster(self, want: int = 1) -> ClusterInfo:
@@ -390,6 +405,62 @@ class SparkLauncher:
                                       if per_task > 1 else ""),
         )
 
+    def _endpoint(self) -> tuple[str, int] | None:
+        """The Connect server's host and port, as the client was given them (None: not a
+        Connect session, or a client that does not say)."""
+        if not self.connect:
+            return None
+        try:
+            host, _, port = str(self._session.client._builder.endpoint).rpartition(":")
+            return host.strip("[]"), int(port)
+        except Exception:  # a private attribute of pyspark's client: another version lacks it
+            return None
+
+    def _server_gone(self) -> str:
+        """Why the Connect server is gone ("" when it takes connections, or when this is not
+        a Connect session or its address is not known). A refused connection is what a
+        stopped or killed server leaves; a timeout (a busy or far server) is not taken as gone."""
+        where = self._endpoint()
+        if where is None:
+            return ""
+        try:
+            socket.create_connection(where, timeout=SERVER_PROBE_S).close()
+        except ConnectionRefusedError:
+            return (f"the Spark Connect server at {where[0]}:{where[1]} is gone (connection "
+                    f"refused)")
+        except OSError:
+            return ""
+        return ""
+
+    def _watch_server(self, request: LaunchRequest) -> None:
+        """Spark Connect: while the stage runs, end the job once its server is gone (see
+        ``SERVER_PROBES``): every rank fails, naming the cause."""
+        refused = 0
+        why = ""
+        while not self._finished.wait(SERVER_PROBE_S):
+            gone = self._server_gone()
+            refused = refused + 1 if gone else 0
+            why = gone or why
+            if refused >= SERVER_PROBES:
+                break
+        else:
+            return  # the stage ended
+        self._settle(lambda rank: RankOutcome(rank, RankStatus.FAILED, error={
+            "type": "SparkConnectLost", "traceback": "",
+            "message": f"{why} while rank {rank} ran: its executors' tasks went with it"}))
+
+    def _settle(self, outcome: Callable[[int], RankOutcome]) -> bool:
+        """Give every rank its outcome, once: from the stage's end, or given up on (a lost
+        server, a cancel the backend does not answer). False when that was done already."""
+        with self._lock:
+            if self._settled or self._on_outcome is None:
+                return False
+            self._settled = True
+            on_outcome = self._on_outcome
+        for rank in range(self._np):
+            on_outcome(outcome(rank))
+        return True
+
     def _server_host(self) -> str:
         """The Connect server's host, as the client was given it ("" when not known)."""
         try:
@@ -407,6 +478,12 @@ class SparkLauncher:
             return ""
 
     def check(self, np: int, gpu: bool) -> None:
+        gone = self._server_gone()
+        if gone:
+            raise CapacityError(
+                f"{gone}: this Spark Connect session cannot run ranks. Start the server again "
+                f"(and a new session: SparkSession.builder.remote(...)), or run local ranks "
+                f"with -np -N")
         master = self._conf("spark.master")
         if self._conf("spark.dynamicAllocation.enabled").lower() == "true" and not (
             master.startswith("local")
@@ -498,6 +575,10 @@ class SparkLauncher:
         guard_stop_button()
         with self._lock:
             self._group = group
+            self._on_outcome, self._np, self._settled = on_outcome, request.np, False
+        if self.connect and self._endpoint() is not None:
+            threading.Thread(target=self._watch_server, args=(request,), daemon=True,
+                             name=f"nbdist-spark-server-{request.job_id}").start()
         # The stage runs from a thread of its own: the kernel's thread stays free to render and
         # to take the stop button, and setJobGroup (addTag on Connect) only applies to the
         # thread that submits. On Connect a plain thread: InheritableThread would copy the
@@ -531,11 +612,9 @@ class SparkLauncher:
         outcomes = {rank: RankOutcome.from_fields(rank, fields) for rank, fields in rows}
         culprit = _failed_partition(error) if error is not None else None
         lost_host = self._lost_executor(error) if error is not None else None
-        for rank in range(request.np):
-            outcome = outcomes.get(rank)
-            if outcome is None:
-                outcome = self._lost(rank, error, culprit, lost_host)
-            on_outcome(outcome)
+        # Nothing, when the ranks were given up on already (a lost server, _give_up).
+        self._settle(lambda rank: outcomes.get(rank) or self._lost(rank, error, culprit,
+                                                                   lost_host))
 
     def _collect_connect(self, request: LaunchRequest, tag: str, task: _Task
                          ) -> list[tuple[int, dict[str, Any]]]:
@@ -633,12 +712,29 @@ class SparkLauncher:
         if self._finished.wait(CANCEL_GRACE_S):
             return
         self._killed = True
-        if self.connect:
-            # This job's tag: nobody else's operations. Spark answers with the ids of the
-            # operations it interrupted: the stage's collect(), unless it had ended.
-            self.interrupted = tuple(str(i) for i in self._session.interruptTag(group) or ())
-        else:
-            self._sc.cancelJobGroup(group)
+        # From a thread of its own: on a backend that vanished the call itself may not return
+        # (pyspark's client retries a lost Connect server for minutes).
+        threading.Thread(target=self._interrupt, args=(group,), daemon=True,
+                         name="nbdist-spark-interrupt").start()
+        if self._finished.wait(GIVE_UP_S):
+            return
+        why = self._server_gone() or (f"Spark did not end the stage within "
+                                      f"{CANCEL_GRACE_S + GIVE_UP_S:g} s of the cancel")
+        self._settle(lambda rank: RankOutcome(rank, RankStatus.FAILED, error={
+            "type": "SparkLost", "traceback": "",
+            "message": f"given up on after the cancel: {why}"}))
+
+    def _interrupt(self, group: str) -> None:
+        try:
+            if self.connect:
+                # This job's tag: nobody else's operations. Spark answers with the ids of the
+                # operations it interrupted: the stage's collect(), unless it had ended.
+                self.interrupted = tuple(str(i) for i in self._session.interruptTag(group)
+                                         or ())
+            else:
+                self._sc.cancelJobGroup(group)
+        except Exception:  # a backend that vanished: _cancel_group gives up on the ranks
+            pass
 
 
 def guard_stop_button() -> None:

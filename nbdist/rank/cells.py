@@ -21,7 +21,7 @@ import base64
 import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from nbdist import values
 from nbdist.protocol import Frame, RankEvent
@@ -39,6 +39,8 @@ class _Interpreter(Protocol):
     sync_marker: str
 
     def send(self, kind: int, body: bytes) -> bool: ...
+
+    def send_parts(self, kind: int, parts: list[bytes]) -> bool: ...
 
 
 class RankWork(Protocol):
@@ -137,6 +139,9 @@ class SessionCells:
         #: A small value's announcement and piece, held to go with its signature (one write
         #: to the driver instead of three); None while a value goes piece by piece.
         self._held: list[RankEvent] | None = None
+        #: The pieces of a large payload so far, and the cell they belong to (``cell_part``).
+        self._parts = bytearray()
+        self._parts_of: Any = None
 
     def begin(self, rank: _Interpreter, env: bytes) -> None:
         rank.send(Frame.ENV, env)  # the cells follow from the driver (on_message)
@@ -147,10 +152,20 @@ class SessionCells:
         kind = msg.get("t")
         if rank is None:
             return
-        if kind == "cell":
+        if kind == "cell_part":  # a piece of a large payload (protocol.CellEvent)
+            if self._parts_of != msg["id"]:
+                self._parts_of, self._parts = msg["id"], bytearray()
+            self._parts += base64.b64decode(msg["data"])
+        elif kind == "cell":
             self._cell = int(msg["id"])
             # False when the rank is gone: its exit ends the session with the reason.
-            rank.send(Frame.PAYLOAD, base64.b64decode(msg["payload"]))
+            if "frame" in msg:  # handed over as a call: the parts as the driver holds them
+                rank.send_parts(Frame.PAYLOAD, msg["frame"])
+            elif msg.get("chunks"):
+                body, self._parts, self._parts_of = self._parts, bytearray(), None
+                rank.send_parts(Frame.PAYLOAD, [cast(bytes, body)])  # any bytes-like goes
+            else:
+                rank.send(Frame.PAYLOAD, base64.b64decode(msg["payload"]))
         elif kind == "interrupt":  # the rank's code gets a KeyboardInterrupt
             rank.send(Frame.INTERRUPT, str(int(msg["id"])).encode())
         elif kind == "quit":

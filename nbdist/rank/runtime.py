@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from nbdist import _logcarry, values  # standard library only
 from nbdist.protocol import (
@@ -541,7 +541,12 @@ def _install_code(digest: str, files: tuple[tuple[str, bytes], ...],
 
 
 def _load_payload(data: bytes) -> Payload:
-    loaded: Payload = _PayloadLoader(io.BytesIO(data)).load()
+    stream = io.BytesIO(data)
+    loaded: Payload = _PayloadLoader(stream).load()
+    if loaded["kind"] == "push" and "data" not in loaded:
+        # A large push: its value's pickle follows the payload's in the frame (PushPayload).
+        # (a view, not a copy: load_values reads any bytes-like object)
+        cast(Any, loaded)["data"] = memoryview(data)[stream.tell():]
     return loaded
 
 
@@ -710,6 +715,12 @@ def main(guard: bool = True) -> None:
             if frame[0] == Frame.DEBUG:
                 debugger.inbox.put(frame[1].decode("utf-8", "replace"))
                 continue
+            if frame[0] == Frame.STACKS:
+                _dump_stacks_here()
+                continue
+            if frame[0] == Frame.COLLECTIVES:
+                _ask_collectives(chan)
+                continue
             inbox.put(frame)
         inbox.put(None)
         debugger.inbox.put(None)
@@ -748,6 +759,35 @@ def main(guard: bool = True) -> None:
         os._exit(code)
 
 
+#: Requests for the flight recorder's dump, answered by one thread of their own.
+_fr_requests: queue.Queue[None] | None = None
+
+
+def _ask_collectives(chan: FrameWriter) -> None:
+    """Answer ``Frame.COLLECTIVES`` off the control thread (torch's dump takes the GIL, which
+    a busy cell holds), from one thread started at the first request and kept: a thread
+    starting or ending while ``faulthandler`` walks the threads for a stack dump can crash
+    the rank, so none does during one (the supervisor asks for the stacks after this answer).
+    """
+    global _fr_requests
+    if _fr_requests is None:
+        _fr_requests = queue.Queue()
+        threading.Thread(target=_answer_collectives, args=(chan, _fr_requests), daemon=True,
+                         name="nbdist-fr").start()
+    _fr_requests.put(None)
+
+
+def _answer_collectives(chan: FrameWriter, requests: queue.Queue[None]) -> None:
+    from nbdist.rank import flight
+
+    while True:
+        requests.get()
+        try:
+            chan.send(Frame.COLLECTIVES, flight.dump())
+        except (OSError, ValueError):
+            return  # the supervisor is gone
+
+
 #: Where the rank's stack dumps go (kept open for its life; ``faulthandler`` keeps the fd).
 _stacks_file: Any = None
 
@@ -778,6 +818,20 @@ def register_stack_dumps() -> str | None:
         os.unlink(path)
         return proc_path
     return path
+
+
+def _dump_stacks_here() -> None:
+    """Write every thread's stack to the dump file from this thread, without a signal (the
+    supervisor asks so where ``STACKS_SIGNAL`` would end the rank, be lost, or cut short a
+    system call: ``rank/signals.py``). Needs the GIL, which a rank stuck in C code holding it
+    does not give: the supervisor then reads the stacks from outside (py-spy) or says why not."""
+    import faulthandler
+
+    if _stacks_file is not None:
+        try:
+            faulthandler.dump_traceback(file=_stacks_file, all_threads=True)
+        except (OSError, ValueError, RuntimeError):
+            pass  # the supervisor reports no dump within its wait
 
 
 def _kill_descendants() -> None:

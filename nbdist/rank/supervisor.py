@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import queue
+import re
 import secrets
 import selectors
 import shutil
@@ -49,7 +50,9 @@ from nbdist.protocol import (
     StacksEvent,
     read_frame,
     write_frame,
+    write_frame_parts,
 )
+from nbdist.rank import signals
 from nbdist.rank.cells import JobWork, RankWork, SessionCells
 from nbdist.rank.client import EventClient
 from nbdist.rank.death import OomWatch
@@ -82,6 +85,9 @@ STACKS_QUIET_S = 0.05
 #: How long py-spy may take to read a rank's native frames (``native_stacks``): within the
 #: driver's wait for the answers (``job.STACKS_WAIT_S``) after the dump (``STACKS_S``).
 NATIVE_STACKS_S = 1.0
+#: How long a rank's flight recorder dump is waited for, before its stacks are taken (the
+#: dump itself takes under a millisecond once the rank's thread has the GIL).
+FR_S = 0.5
 #: Pieces of a session cell's value read from the interpreter and not yet forwarded to the
 #: driver: the reader waits for room, so the kernel holds a few ``values.CHUNK`` at a time.
 PIECES_QUEUED = 2
@@ -200,6 +206,18 @@ class RankProcess:
             try:
                 write_frame(self.ctl_in, kind, body)
             except (BrokenPipeError, ValueError):  # ValueError: already closed
+                return False
+            except BaseException:
+                self._abandon()
+                raise
+        return True
+
+    def send_parts(self, kind: int, parts: list[bytes]) -> bool:
+        """:meth:`send` of a frame whose body is ``parts`` joined, written without joining."""
+        with self._send_lock:
+            try:
+                write_frame_parts(self.ctl_in, kind, parts)
+            except (BrokenPipeError, ValueError):
                 return False
             except BaseException:
                 self._abandon()
@@ -360,6 +378,8 @@ class Supervisor:
         self._rank_pid: int | None = None  # the rank's own pid (a guardian's child)
         self._stacks_path: str | None = None  # where the rank writes its stack dumps
         self._stacks_lock = threading.Lock()  # one dump at a time
+        #: The rank's flight recorder dumps, as they come (``Frame.COLLECTIVES``).
+        self._fr_dumps: queue.Queue[bytes] = queue.Queue()
         self._tf_reservation: socket.socket | None = None  # the TF worker's port, held until spawn
         self._jax_reservation: socket.socket | None = None  # rank 0: JAX's coordinator, the same
         #: The launch's marks so far (``nbdist.timeline``), sent to the driver as they happen.
@@ -726,6 +746,8 @@ class Supervisor:
                     self.modules = [str(m) for m in event.get("names", ())]
                 else:
                     self._forward(event)
+            elif kind == Frame.COLLECTIVES:
+                self._fr_dumps.put(body)
             elif kind == Frame.PIECE:
                 self._work.piece(body)
                 rp.piece_done()
@@ -752,12 +774,19 @@ class Supervisor:
                    and event.get("state") == "running")
 
     def _answer_stacks(self, req: Any) -> None:
+        # The flight recorder first, its answer awaited: the rank's thread that answers must
+        # not be starting while faulthandler walks the threads (``runtime._ask_collectives``).
+        with self._stacks_lock:  # one flight recorder request at a time too
+            fr = self._collectives(FR_S) if self._ask_collectives() else ""
         text, error = self.stacks()
-        answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0}
+        answer: StacksEvent = {"t": "stacks", "id": req if isinstance(req, int) else 0,
+                               "package": _PACKAGE_DIR}
         if text:
             answer["text"] = text
         if error:
             answer["error"] = error
+        if fr:
+            answer["fr"] = fr
         pid = self._rank_pid
         if text and pid is not None:
             native = native_stacks(pid)
@@ -765,26 +794,62 @@ class Supervisor:
                 answer["native"] = native
         self._send(answer)
 
+    def _ask_collectives(self) -> bool:
+        """Ask the rank for its flight recorder's dump (answered on ``_fr_dumps``)."""
+        rp, proc = self._rp, self._proc
+        if rp is None or proc is None or proc.poll() is not None:
+            return False
+        while not self._fr_dumps.empty():  # a late answer to an earlier request
+            self._fr_dumps.get_nowait()
+        return rp.send(Frame.COLLECTIVES, b"")
+
+    def _collectives(self, timeout: float) -> str:
+        """The dump asked for by ``_ask_collectives`` (torch's JSON), or "" (none, or late)."""
+        try:
+            return self._fr_dumps.get(timeout=timeout).decode("utf-8", "replace")
+        except queue.Empty:
+            return ""
+
     def stacks(self, timeout: float = STACKS_S) -> tuple[str, str]:
         """The stacks of every thread of the rank (``faulthandler``'s text), and "" — or ""
-        and why there are none."""
-        path, pid, proc = self._stacks_path, self._rank_pid, self._proc
+        and why there are none.
+
+        ``STACKS_SIGNAL`` goes to the rank only where it is safe (``signals.hazard``: its
+        dispositions and what its threads wait in). Elsewhere (a library reset the handler,
+        the rank sleeps in C) nothing is signalled: the rank's control-pipe thread writes the
+        dump (``Frame.STACKS``), and where that gives none (the GIL held in C code), py-spy
+        reads the Python frames from outside; failing that the rank is named with why.
+        """
+        path, pid, proc, rp = self._stacks_path, self._rank_pid, self._proc, self._rp
         if proc is None or proc.poll() is not None or pid is None:
             return "", "the rank is not running"
         if path is None:
             return "", ("the rank's interpreter takes no stack dumps (no SIGUSR2 on this "
                         "platform, or no temporary folder it could write them to)")
+        sig = getattr(signal, protocol.STACKS_SIGNAL)
         with self._stacks_lock:
+            hurt = signals.hazard(pid, sig)
             try:
                 with open(path, "rb") as f:
                     start = f.seek(0, os.SEEK_END)
-                    os.kill(pid, getattr(signal, protocol.STACKS_SIGNAL))
+                    if not hurt:
+                        os.kill(pid, sig)
+                    elif rp is None or not rp.send(Frame.STACKS, b""):
+                        return "", f"not signalled ({hurt}), and its control pipe is closed"
                     data = _read_dump(f, start, timeout)
             except OSError as exc:
                 return "", f"its stacks could not be read: {exc}"
-        if not data:
+        if data:
+            return data.decode("utf-8", "replace"), ""
+        if not hurt:
             return "", f"no stack dump within {timeout:g} s"
-        return data.decode("utf-8", "replace"), ""
+        outside = python_stacks(pid)
+        if outside.startswith("Thread"):
+            return outside, ""
+        return "", (f"unreachable: not signalled ({hurt}); its own thread gave no stacks "
+                    f"within {timeout:g} s (C code holding the GIL?)"
+                    + (f"; {outside.strip('()')}" if outside else
+                       "; py-spy is not installed to read them from outside"))
 
     def _rank_rss(self) -> int | None:
         """Memory of the rank and its children (not of its guardian, which shares most pages
@@ -964,6 +1029,11 @@ def py_spy() -> str | None:
     return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
 
 
+#: Where nbdist is installed on this host: the driver leaves out the frames of the files under
+#: it (``nbdist.stacks``), wherever that is, whatever the folder is called.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(protocol.__file__))
+
+
 def native_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
     """The rank's threads with their native (C) frames as ``py-spy dump --native`` reads them
     from outside (the rank is paused for the moment it takes), where py-spy is installed;
@@ -986,6 +1056,37 @@ def native_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
     lines = done.stdout.splitlines()
     first = next((i for i, line in enumerate(lines) if line.startswith("Thread ")), 0)
     return "\n".join(lines[first:])
+
+
+def python_stacks(pid: int, timeout: float = NATIVE_STACKS_S) -> str:
+    """The rank's Python stacks read from outside by ``py-spy dump`` (no signal: the rank is
+    paused for the moment it takes, and a system call it is in resumes), in ``faulthandler``'s
+    text (``nbdist.stacks.parse`` reads it); "" without py-spy; a line in parentheses saying
+    why it could not."""
+    exe = py_spy()
+    if exe is None:
+        return ""
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=timeout, check=False, errors="replace")
+    except subprocess.TimeoutExpired:
+        return f"(py-spy gave no stacks within {timeout:g} s)"
+    except OSError as exc:
+        return f"(py-spy could not run: {exc})"
+    if done.returncode != 0:
+        why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}")
+        return f"(py-spy could not read the stacks: {why.splitlines()[-1]})"
+    out: list[str] = []
+    for line in done.stdout.splitlines():
+        if line.startswith("Thread "):
+            out.append(f"Thread 0x{len(out):016x} (py-spy, most recent call first):")
+        elif (hit := _PY_SPY_FRAME.match(line)) is not None and out:
+            out.append(f'  File "{hit["file"]}", line {hit["line"]} in {hit["func"]}')
+    return "\n".join(out)
+
+
+#: A frame of ``py-spy dump``: ``    func (file:line)``.
+_PY_SPY_FRAME = re.compile(r"^\s+(?P<func>\S.*?) \((?P<file>.+):(?P<line>\d+)\)$")
 
 
 def _read_dump(f: Any, start: int, timeout: float) -> bytes:

@@ -115,6 +115,27 @@ def _badge(state: str) -> str:
     return f'<span class="nbdist-badge" style="background:{color}">{html.escape(state)}</span>'
 
 
+#: ipywidgets 8 names the sections of an Accordion or a Tab by its ``titles`` trait; ipywidgets
+#: 7 (classic Notebook 6, older managed notebooks) by ``_titles``, a dict from each section's
+#: index (a string) to its title, which its ``set_title`` sets.
+_TITLES_TRAIT = "titles" if w.Accordion.class_traits().get("titles") is not None else "_titles"
+
+
+def titles(values: Sequence[str]) -> dict[str, Any]:
+    """The traits that give an Accordion's or a Tab's sections these titles, on either
+    ipywidgets (``w.Tab(..., **titles(names))``, ``_set(tab, **titles(names))``)."""
+    if _TITLES_TRAIT == "titles":
+        return {"titles": tuple(values)}
+    return {"_titles": {str(i): title for i, title in enumerate(values)}}
+
+
+def title(widget: w.Widget, index: int) -> str:
+    """The title of section ``index`` of an Accordion or a Tab, on either ipywidgets."""
+    if _TITLES_TRAIT == "titles":
+        return str(widget.titles[index])
+    return str(widget._titles.get(str(index), ""))
+
+
 def _set(widget: w.Widget, **values: Any) -> int:
     """Set traits that differ, in one message; return the number of messages sent (0 or 1)."""
     changed = {k: v for k, v in values.items() if getattr(widget, k) != v}
@@ -246,7 +267,7 @@ class Panel(BackgroundRenderer):
                                  else f"nbdist-log-{'picked' if self.collapsed else r}"))
             for r in self.pane_ranks
         ]
-        titles = [("all ranks" if r is None else f"rank {r}") for r in self.pane_ranks]
+        names = [("all ranks" if r is None else f"rank {r}") for r in self.pane_ranks]
         # Each rank's rich displays, under its log (a large job's: the picked rank's).
         self.figures = [w.Output(_dom_classes=("nbdist-displays", f"nbdist-displays-{r}"))
                         for r in self.pane_ranks if r is not None]
@@ -259,10 +280,10 @@ class Panel(BackgroundRenderer):
         tabs.append(self.panes[-1])
         if self.picker is not None:
             tabs[0] = w.VBox([self.picker, self.panes[0], self.figures[0]])
-            titles[0] = "one rank"
-        self.tabs = w.Tab(children=tabs, titles=titles, selected_index=0,
+            names[0] = "one rank"
+        self.tabs = w.Tab(children=tabs, **titles(names), selected_index=0,
                           _dom_classes=("nbdist-logs",))
-        self.logs = w.Accordion(children=[self.tabs], titles=("logs",), selected_index=0)
+        self.logs = w.Accordion(children=[self.tabs], **titles(["logs"]), selected_index=0)
         children: list[w.Widget] = [w.HTML(_STYLE), self.header]
         if self.collapsed:
             children.append(self.summary)
@@ -282,7 +303,7 @@ class Panel(BackgroundRenderer):
             self.filter.observe(self._filtered, names="value")
             self.groups = w.Accordion(
                 children=[w.VBox([self.filter, self.filtered, self.hosts])],
-                titles=("every rank, by host",), selected_index=None,
+                **titles(["every rank, by host"]), selected_index=None,
                 _dom_classes=("nbdist-groups",))
             children.append(self.groups)
         self.charts = charts.ChartsView(job.series)  # paced on its own (views/charts.py)
@@ -479,10 +500,10 @@ class Panel(BackgroundRenderer):
         for g in summary.hosts:
             if g.ranks not in ranges:
                 ranges[g.ranks] = status.rank_ranges(g.ranks)
-        titles = tuple(f"{g.name} · ranks {ranges[g.ranks]} · {status.group_states(g)}"
-                       + (f" · {p}" if (p := status.group_progress(g)) else "")
-                       for g in summary.hosts)
-        sent += _set(self.hosts, titles=titles)
+        heads = [f"{g.name} · ranks {ranges[g.ranks]} · {status.group_states(g)}"
+                 + (f" · {p}" if (p := status.group_progress(g)) else "")
+                 for g in summary.hosts]
+        sent += _set(self.hosts, **titles(heads))
         count = len(names)
         if not count:
             return sent

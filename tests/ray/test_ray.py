@@ -35,6 +35,7 @@ def torchrun_env() -> dict[str, str]:
     return {"sum": str(int(t.item())), **{k: os.environ.get(k, "") for k in keys}}
 
 
+@pytest.mark.torch
 def test_ranks_are_placed_over_both_nodes_with_their_gpus(on_ray: Any) -> None:
     """An initialized Ray picks the Ray backend: 4 ranks with one logical GPU each land on
     both nodes, numbered together per node, meet at rank 0's node and all-reduce."""
@@ -54,6 +55,7 @@ def test_ranks_are_placed_over_both_nodes_with_their_gpus(on_ray: Any) -> None:
     assert not groups_left()
 
 
+@pytest.mark.torch
 def test_node_level_launch_runs_k_ranks_per_bundle(on_ray: Any) -> None:
     """Bundles of 2 GPUs run 2 ranks each, one bundle per node: LOCAL_WORLD_SIZE 2 and
     NODE_RANK from where the bundles landed; -np 3 is refused naming the sizes."""
@@ -144,6 +146,7 @@ def test_a_busy_cluster_fails_within_the_placement_wait(on_ray: Any, ip: Any,
     wait_for(lambda: not groups_left(), 10, "the session's group to be removed")
 
 
+@pytest.mark.torch
 @pytest.mark.timeout(400)
 def test_the_ray_notebook_runs_its_cells_on_the_cluster(on_ray: Any, monkeypatch: Any) -> None:
     """notebooks/08-ray.ipynb in a real kernel: its ray.init() joins this cluster (RAY_ADDRESS,
