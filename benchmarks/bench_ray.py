@@ -106,7 +106,8 @@ def main() -> int:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "0")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # A Ray of its own (address="local"), never one a stale /tmp/ray/ray_current_cluster names.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     storage = str(ROOT / "benchmarks" / "results" / "ray-train")
     runs: dict[str, list[tuple[float, float]]] = {"nbdist": [], "TorchTrainer": []}
     for i in range(args.reps + 1):  # alternating; the first of each is its first run
