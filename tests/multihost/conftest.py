@@ -42,6 +42,22 @@ from .kernel import Kernel
 HOSTS = ("driver", "master", "wa", "wb", "wc", "nat")
 CORES = 2
 GPUS = ["0", "1"]
+#: The first multi-host test to run pays the shared set-up (the hosts, a standalone cluster in
+#: them, a kernel in the driver's namespace, the application): minutes on a loaded machine, as in
+#: CI where it shares the cores with three other xdist workers and the version matrix. pytest-
+#: timeout bills a fixture's set-up to the test that needs it first, and the suite's default
+#: (120 s) cut it there, failing every multi-host test with the set-up's timeout.
+SETUP_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every multi-host test may be the first to run, so each may take the set-up's time."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SETUP_TIMEOUT_S))
+
+
 #: Executors register a while after a worker joins, and again after one was killed.
 EXECUTORS_S = 180
 
