@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from nbdist import timeline
+from nbdist import collectives, timeline
 from nbdist._timer import after
 from nbdist.errors import CapacityError
 from nbdist.events import DriverAddress
@@ -36,6 +36,7 @@ from nbdist.protocol import (
 from nbdist.rank import host
 from nbdist.rank.supervisor import RankProcess, RankSpec, Supervisor, Taken
 from nbdist.rank.zygote import Zygote, installation_stamp, process_attributes
+from nbdist.settings import settings
 
 #: Keep interpreters warm for the next job (``NBDIST_WARM_POOL=0`` turns it off).
 WARM_POOL = os.environ.get("NBDIST_WARM_POOL", "1") != "0"
@@ -214,7 +215,9 @@ class WarmPool:
         """
         if not (WARM_POOL and ZYGOTE):
             return False
-        template = job_template({})
+        # The environment a job with default options gives its ranks: torch's flight
+        # recorder is on in every rank (job.py), and a zygote is kept per environment.
+        template = job_template(collectives.recorder_env(settings.flight_recorder))
         with self._lock:
             if self.key(template) in self._zygotes:  # a job got there first
                 return False
