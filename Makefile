@@ -45,20 +45,22 @@ check: lint
 # tests start too ([tool.coverage.run] in pyproject.toml), in WORKERS pytest-xdist workers: most
 # of the suite waits on ranks, kernels and JVMs. What only one process may hold (Spark, Ray, the
 # multi-host tests' hosts, the browser) runs in one worker each (tests/conftest.py, XDIST_GROUPS).
-# The version matrix (.ci/matrix) runs beside it; its summary and the coverage report end the
-# output, whether the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A
+# The version matrix (.ci/matrix) runs after it (beside it, its environments' installs and
+# tests slowed the set-ups the groups make at the start: the multi-host hosts' cluster and
+# JupyterLab missed their deadlines in a fresh clone's run); its summary and the coverage
+# report end the output, whether the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A
 # process killed while it was creating its data file (the fault tests kill ranks) leaves it
 # empty: dropped. 4 workers: the three groups that take minutes (Spark, the multi-host hosts,
 # the browser) each hold one from the start, so 3 left the other tests waiting behind them.
 WORKERS ?= 4
 test: setup system-deps lint
 	rm -f .coverage .coverage.*
-	@mkdir -p build; .ci/matrix > build/matrix.out 2>&1 & matrix=$$!; \
+	@mkdir -p build; \
 	SPARK_LOCAL_IP=127.0.0.1 $(VENV)/bin/coverage run -m pytest -n $(WORKERS) --dist loadgroup \
 	  --file-durations; status=$$?; \
 	find . -maxdepth 1 -name '.coverage.*' -empty -delete; \
 	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; \
-	wait $$matrix || status=1; cat build/matrix.out; exit $$status
+	.ci/matrix > build/matrix.out 2>&1 || status=1; cat build/matrix.out; exit $$status
 
 # The version matrix alone (docs/developing.md): a fast subset on Python 3.10 (ipykernel 6,
 # IPython 8), 3.12 (ipywidgets 7) and 3.13; `make matrix LEGS=spark35` runs the Spark tests

@@ -113,7 +113,7 @@ def lab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
                 return True
             return False
 
-        wait_for(started, 120, "JupyterLab to start")
+        wait_for(started, 240, "JupyterLab to start")  # minutes beside three xdist workers
         yield f"{url}/lab/tree/panel.ipynb?token={token}&reset", root
     finally:
         server.send_signal(signal.SIGTERM)  # the server shuts its kernels down on SIGTERM

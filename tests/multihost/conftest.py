@@ -187,7 +187,7 @@ def cluster(network: Network, tmp_path_factory: pytest.TempPathFactory) -> Itera
         tmp_path_factory.mktemp("multihost-spark"), _clean_env(), master=network["master"].ip,
         workers=[(network[w].ip, CORES, GPUS) for w in WORKERS], port=7077, ui_port=8080,
         wrap=lambda name, ip: network.prefix(by_ip[ip]),
-        status=lambda url: network.run("driver", [sys.executable, "-c", _READ, url], 10),
+        status=lambda url: network.run("driver", [sys.executable, "-c", _READ, url], 30),
     )
     try:
         cluster.launch(workers=2)
