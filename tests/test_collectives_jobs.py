@@ -129,9 +129,10 @@ def test_dist_check_names_the_slow_rank(np: int) -> None:
                           largest=64 << 10)
     assert len(got.rows) == np
     assert got.sweep and all(bw > 0 for _, _, bw in got.sweep)
-    assert got.problems and got.problems[-1].startswith(f"rank {slow} on "), got.text()
-    assert "is the slowest" in got.problems[-1]
-    assert got.text().splitlines()[-1].startswith(f"  rank {slow} on ")
+    # Other problems may be said too (a nearly full disk: seen on a full CI machine).
+    assert any(p.startswith(f"rank {slow} on ") and "is the slowest" in p
+               for p in got.problems), got.text()
+    assert any(ln.startswith(f"  rank {slow} on ") for ln in got.text().splitlines())
     assert f"log folder: {got.log_dir} (" in got.text() and got.log_free_gb is not None
 
 
