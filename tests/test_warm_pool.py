@@ -282,8 +282,10 @@ def test_forked_ranks_draw_different_random_numbers_unless_seeded(
     runs = [nbdist.run(draws, np=2).results for _ in range(2)]
     samples = [r for run in runs for r in run]
     if zygote:  # the zygote imported numpy.random and torch before forking every one of them
-        (pid,) = local.pool.pids()
-        assert {r["parent"] for r in samples} == {pid}
+        # One zygote forked all four; the pool may hold others (another test's environment in
+        # the same worker) and idle interpreters besides it.
+        (parent,) = {r["parent"] for r in samples}
+        assert parent in local.pool.pids()
         assert {"numpy", "torch"} <= set(local.pool.modules)
     for gen in ("random", "numpy", "torch"):
         assert len({str(r[gen]) for r in samples}) == 4, (gen, [r[gen] for r in samples])
