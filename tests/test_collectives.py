@@ -159,3 +159,22 @@ def test_check_names_a_failed_rank_and_a_clock_that_is_off() -> None:
                       failed={1: "Traceback...\nRuntimeError: boom"})
     assert "rank 1 failed: RuntimeError: boom" in got.problems
     assert any("its clock is +10.0 s off" in p for p in got.problems), got.problems
+
+
+def test_a_ranks_gloo_and_nccl_recorders_are_read_as_one() -> None:
+    """A CUDA build keeps NCCL's collectives in a recorder of its own: the rank's dump joins
+    its entries to gloo's (a second group here), and garbage from either is left out."""
+    from nbdist.rank import flight
+
+    gloo = (DATA / "stop-0.json").read_bytes()
+    nccl = json.loads(gloo)
+    for e in nccl["entries"]:
+        e["profiling_name"] = e["profiling_name"].replace("gloo:", "nccl:")
+        e["process_group"] = ["1", "nccl"]
+        e["pg_id"] = 1
+    merged = flight._merge([gloo, json.dumps(nccl).encode()])
+    calls = collectives.parse(merged)
+    assert {c.backend for c in calls} == {"gloo", "nccl"}
+    assert len(calls) == 2 * len(collectives.parse(gloo))
+    assert flight._merge([gloo, b"\xff not json"]) == json.dumps(json.loads(gloo)).encode()
+    assert flight._merge([gloo]) == gloo and flight._merge([]) == b""

@@ -18,16 +18,27 @@ MAX_BYTES = 1 << 20
 
 def dump() -> bytes:
     """The recorder's entries as torch's JSON (``_dump_fr_trace_json``), or ``b""`` where
-    torch's distributed module was never imported, or has no recorder."""
+    torch's distributed module was never imported, or has no recorder.
+
+    NCCL keeps a recorder of its own (``_dump_nccl_trace_json``, on CUDA builds): its entries
+    join the CPU recorder's (gloo's), so a job with both groups shows both."""
     if "torch.distributed" not in sys.modules:
         return b""  # never import torch here: a rank without it has no collectives
     try:
         from torch._C import _distributed_c10d as c10d
-
-        # torch ≥ 2.8 (a private function, present on CPU and CUDA builds alike)
-        data: bytes = c10d._dump_fr_trace_json()  # type: ignore[attr-defined]
-    except Exception:  # an older torch without it, or a recorder that failed: no answer
+    except Exception:
         return b""
+    dumps = []
+    # torch ≥ 2.8: private functions; the first on CPU and CUDA builds, the second with NCCL
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        fn = getattr(c10d, name, None)
+        if fn is None:
+            continue
+        try:
+            dumps.append(bytes(fn()))
+        except Exception:  # a recorder that failed (off, or NCCL never started): no answer
+            continue
+    data = _merge(dumps)
     if len(data) <= MAX_BYTES:
         return data
     try:
@@ -40,3 +51,24 @@ def dump() -> bytes:
     except (ValueError, TypeError, AttributeError, RecursionError):
         return b""
     return data
+
+
+def _merge(dumps: list[bytes]) -> bytes:
+    """One JSON dump of several recorders' (their entries together, oldest first)."""
+    if len(dumps) <= 1:
+        return dumps[0] if dumps else b""
+    wholes = []
+    for data in dumps:
+        try:
+            whole = json.loads(data)
+        except (ValueError, TypeError, RecursionError):
+            continue
+        if isinstance(whole, dict) and isinstance(whole.get("entries", []), list):
+            wholes.append(whole)
+    if not wholes:
+        return b""
+    merged = dict(next((w for w in wholes if w.get("entries")), wholes[0]))
+    merged["entries"] = sorted(
+        (e for w in wholes for e in w.get("entries", [])),
+        key=lambda e: e.get("time_created_ns", 0) if isinstance(e, dict) else 0)
+    return json.dumps(merged).encode()

@@ -4,12 +4,14 @@ They check what only a GPU can show: a rank forked from the zygote (which never 
 initialises CUDA and trains; NCCL's process group with one GPU per rank; a cell whose value is
 a CUDA tensor; ``--gpu`` on the local backend; a session keeping a CUDA model between cells;
 the panel naming each rank's GPU; a module that starts CUDA at import: ranks start fresh and
-say why (``rank/fork_safety.py``). With one GPU the multi-rank checks run on one rank (NCCL
+say why (``rank/fork_safety.py``); NCCL's flight recorder naming a hung all-reduce;
+``%dist_check --gpu``; JAX finding the rank's GPU. With one GPU the multi-rank checks run on one rank (NCCL
 refuses two ranks on one device). Run them alone with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +20,9 @@ import psutil
 import pytest
 
 import nbdist
+from nbdist import check
 from nbdist import session as sessions
+from nbdist.errors import DistributedError
 from nbdist.launch import local
 from nbdist.rank import fork_safety
 from nbdist.rank.zygote import COMMAND
@@ -68,8 +72,8 @@ def test_a_rank_forked_from_the_zygote_initialises_cuda_and_trains() -> None:
     second = job.result(timeout=240)
     rank = job.state.ranks[0]
     assert rank.start == "forked", f"started {rank.start}: {rank.start_why}"
-    (zygote,) = local.pool.pids()
-    assert second["parent"] == zygote  # forked, not a fresh interpreter
+    zygote = second["parent"]
+    assert zygote in local.pool.pids()  # forked, not a fresh interpreter
     assert COMMAND in " ".join(psutil.Process(zygote).cmdline())
     for result in (first, second):
         assert result["device"] == "cuda:0" and result["last"] < result["first"] / 2
@@ -205,3 +209,64 @@ def test_a_module_that_starts_cuda_at_import_makes_ranks_start_fresh_and_says_so
     assert rank.start_why.startswith(
         "the zygote cannot fork: module nbdist_cuda_at_import started the CUDA driver at "
         "import (the process holds /dev/nvidia"), rank.start_why
+
+
+def nccl_hang() -> None:
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    x = torch.ones(1000, device="cuda")
+    dist.all_reduce(x)
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e11))  # the stream is busy for a minute or more
+    dist.all_reduce(x, async_op=True)  # queued behind it: recorded, never completed
+    while True:
+        time.sleep(0.05)
+
+
+def test_a_hung_nccl_all_reduce_is_named_in_the_error() -> None:
+    """NCCL keeps its own flight recorder: a job that times out in its third all-reduce says
+    so, with NCCL named, as a gloo job does (``rank/flight.py``)."""
+    job = nbdist.run(nccl_hang, np=1, gpu=True, timeout=30)
+    with pytest.raises(DistributedError) as info:
+        job.result(timeout=240)
+    message = str(info.value)
+    assert info.value.reason == "timeout"
+    assert "collectives: rank 0 waits in all_reduce #3 (1000 float32, nccl)" in message, message
+
+
+def test_dist_check_on_gpus_names_them_and_sweeps_nccl() -> None:
+    """``%dist_check --gpu``: each rank's GPU (name, memory, NVML's word), CUDA and NCCL
+    versions, and an all-reduce sweep on NCCL; a healthy machine has no problems."""
+    report = check.run_check(NP, gpu=True, timeout=240)
+    text = report.text()
+    assert report.ok, text
+    for row in report.rows:
+        assert "NVIDIA" in row[6] and " GB" in row[6], text
+        cuda, _, nccl = row[4].partition("/")
+        assert cuda[:2].isdigit() and nccl.count(".") == 2, text
+    assert report.sweep and report.sweep[-1][0] >= 1 << 20, text
+
+
+def jax_on_the_gpu() -> tuple[int, str, float]:
+    import jax
+    import jax.numpy as jnp
+
+    jax.distributed.initialize()  # no arguments: nbdist's cluster (rank/jax_cluster.py)
+    device = jax.local_devices()[0]
+    return jax.process_count(), device.platform, float(jnp.arange(4.0).sum())
+
+
+def test_jax_initialises_on_the_ranks_gpu() -> None:
+    """``jax.distributed.initialize()`` with no arguments on a GPU rank: JAX sees its GPU."""
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("needs jax")
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    results = nbdist.run(jax_on_the_gpu, np=1, gpu=True, env=env).results
+    assert results == [(1, "gpu", 6.0)], results
