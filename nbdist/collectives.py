@@ -118,6 +118,19 @@ def parse(dump: str | bytes) -> list[Call]:
     return calls
 
 
+def members(dump: str | bytes) -> dict[str, tuple[int, ...]]:
+    """The process groups' members (global ranks) that a rank's dump names (nbdist adds
+    them: ``rank/flight.py``); ``{}`` where it names none."""
+    try:
+        groups = json.loads(dump).get("nbdist_groups")
+    except (ValueError, TypeError, AttributeError, RecursionError):
+        return {}
+    if not isinstance(groups, dict):
+        return {}
+    return {str(g): tuple(r for r in ranks if isinstance(r, int))
+            for g, ranks in groups.items() if isinstance(ranks, list)}
+
+
 @dataclass(frozen=True)
 class Collectives:
     """Where the ranks stand in their collectives: ``line`` says it (``""``: nothing to say)."""
@@ -177,6 +190,10 @@ def analyse(dumps: Mapping[int, str | bytes], ranks: Sequence[int] | None = None
     by_rank = {r: parse(d) for r, d in dumps.items()}
     every = sorted(set(ranks if ranks is not None else by_rank) | set(by_rank))
     groups = sorted({c.group for calls in by_rank.values() for c in calls})
+    member: dict[str, set[int]] = {}
+    for d in dumps.values():
+        for g, rs in members(d).items():
+            member.setdefault(g, set()).update(rs)
     lines: list[str] = []
     missing: list[int] = []
     desync: list[int] = []
@@ -188,7 +205,9 @@ def analyse(dumps: Mapping[int, str | bytes], ranks: Sequence[int] | None = None
         for seq, text in bad[:MAX_MISMATCHES]:
             lines.append(prefix + text)
             desync.append(seq)
-        wave = _wavefront(seqs, every, where or {})
+        # A subgroup's wavefront is its members' (where a dump named them).
+        wave = _wavefront({r: c for r, c in seqs.items() if r in member.get(g, every)},
+                          [r for r in every if r in member.get(g, every)], where or {})
         if wave is not None:
             text, absent = wave
             lines.append(prefix + text)

@@ -259,6 +259,8 @@ class Job(Handle):
         """Hand the machine a stimulus, then carry out what it says (outside the lock)."""
         with self._lock:
             actions = self._machine.handle(stimulus)
+            if isinstance(stimulus, lifecycle.Outcome):
+                self._stacks_in.notify_all()  # an ended rank gives no stacks: wait no more
         for action in actions:
             self._do(action)
 
@@ -270,10 +272,11 @@ class Job(Handle):
             # get the rendezvous and run the user's code: stop it instead.
             self.send(action.rank, {"t": "cancel", "reason": action.reason})
         elif isinstance(action, lifecycle.TakeStacks):
-            try:
-                self._take_forensics()
-            finally:  # a second interrupt while the stacks come in still stops the ranks
-                self._act(lifecycle.StacksTaken(time.time()))
+            if action.failure:  # heard on the thread the answers come on
+                threading.Thread(target=self._forensics_then_stop, daemon=True,
+                                 name=f"nbdist-forensics-{self.id}").start()
+            else:
+                self._forensics_then_stop()
         elif isinstance(action, lifecycle.StopRanks):
             for rank in range(self.np):
                 self.send(rank, {"t": "cancel", "reason": action.reason})
@@ -461,9 +464,16 @@ class Job(Handle):
                     f"(%config DistMagics.stacks_when_quiet):\n" + taken.text())
             return
 
-    def _take_forensics(self) -> None:
+    def _forensics_then_stop(self) -> None:
         """Before stopping a running job: where each rank is, and where the ranks stand in
-        their collectives, for the error and the views (bounded by ``FORENSICS_S``)."""
+        their collectives, for the error and the views (bounded by ``FORENSICS_S``); then
+        the stop (also after a second interrupt while they come in)."""
+        try:
+            self._forensics_now()
+        finally:
+            self._act(lifecycle.StacksTaken(time.time()))
+
+    def _forensics_now(self) -> None:
         with self._lock:
             if self._forensics is not None:
                 return
@@ -500,8 +510,9 @@ class Job(Handle):
         for o in outcomes:
             o.result = None  # the values are kept, not their pickles too
         if self._collectives and isinstance(error, DistributedError) and \
-                error.reason in (Reason.TIMEOUT, Reason.CANCELLED):
-            # The collectives line in the message itself: the first thing a hung job says.
+                error.reason in (Reason.TIMEOUT, Reason.CANCELLED, Reason.FAILED):
+            # The collectives line in the message itself: the first thing a hung job says
+            # (and a failed one: did the others wait for the rank that failed?).
             error = DistributedError(f"{error}\n{self._collectives}", job_id=self.id,
                                      reason=error.reason, failures=error.failures,
                                      stacks=error.stacks)
@@ -594,7 +605,8 @@ class Job(Handle):
             live = [r for r in range(self.np) if r not in self._outcomes]
         asked = [r for r in live if self.send(r, {"t": "stacks", "id": req})]
         with self._lock:
-            self._stacks_in.wait_for(lambda: len(answers) >= len(asked), timeout)
+            self._stacks_in.wait_for(
+                lambda: all(r in answers or r in self._outcomes for r in asked), timeout)
             self._stacks.pop(req, None)
             got = dict(answers)
         dumps: dict[int, str] = {}

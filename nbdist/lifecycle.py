@@ -13,8 +13,9 @@ ranks said nothing for the heartbeat timeout), :class:`WorldFailed` (the rendezv
 stacks a timeout or cancel asked for are in, or given up on).
 
 The actions: :class:`SendWorld` (every rank said hello), :class:`Refuse` (a rank connected
-after the cancel: stop it, never give it the world), :class:`TakeStacks` (before a timeout or
-cancel stops running ranks: where they are; the stop follows with :class:`StacksTaken`),
+after the cancel: stop it, never give it the world), :class:`TakeStacks` (before a timeout, a
+cancel or a rank's failure after the rendezvous stops running ranks: where they are; the stop
+follows with :class:`StacksTaken`),
 :class:`StopRanks` (cancel every rank and the backend), :class:`Fail` (the ranks cannot go on:
 an owner, a session, decides), :class:`MarkFailed` (ranks taken for lost), :class:`Drain`
 (every rank ended: read the channels to their end, then settle with :meth:`JobMachine.verdict`).
@@ -23,7 +24,8 @@ Beside it, the same shape for a session's cell (:class:`CellMachine`, whose I/O 
 ``session.SessionCell``) and for a job that restarts while it waits for the slots of its ranks
 (:class:`CapacityWait`, asked at each turn by ``elastic.ElasticJob``).
 
-Who ends first decides: the first failure stops the others and is blamed first; a stop already
+Who ends first decides: the first failure stops the others (after their stacks) and is blamed
+first; a stop already
 under way is never replaced (a rank failing while a timeout's stacks are taken still ends the
 job as failed, the timeout's stop then does nothing); a rank heard after the job was stopped
 gets a cancel, never the world.
@@ -124,9 +126,13 @@ class Refuse:
 
 @dataclass(frozen=True)
 class TakeStacks:
-    """Take the running ranks' stacks (bounded), then hand in :class:`StacksTaken`."""
+    """Take the running ranks' stacks (bounded), then hand in :class:`StacksTaken`.
+
+    ``failure``: asked because a rank failed, heard on the thread that reads the ranks'
+    events: take them on another, or their answers wait behind it."""
 
     ranks: tuple[int, ...]
+    failure: bool = False
 
 
 @dataclass(frozen=True)
@@ -250,7 +256,7 @@ class JobMachine:
         if self.first_failure is not None or self.cancel_reason is not None:
             return []
         self.first_failure = rank
-        return self._stop(f"rank {rank} failed")
+        return self._after_failure(rank)
 
     def _outcome(self, outcome: RankOutcome) -> list[Action]:
         self.outcomes[outcome.rank] = outcome
@@ -262,7 +268,19 @@ class JobMachine:
                 return []
             self.drained = True
             return [Drain()]
-        return self._stop(f"rank {outcome.rank} failed") if first else []
+        return self._after_failure(outcome.rank) if first else []
+
+    def _after_failure(self, rank: int) -> list[Action]:
+        """The first failure: where the others stand (their stacks and collectives: did they
+        wait for the failed rank?), then stop them. Before the world went out they ran no
+        code of the user's: stop them at once."""
+        reason = f"rank {rank} failed"
+        others = tuple(r for r in self.running if r != rank)
+        if self.owned or self.pending is not None or not others or \
+                len(self.hellos) < self.np:
+            return self._stop(reason)
+        self.pending = (reason, False)
+        return [TakeStacks(others, failure=True)]
 
     def _silent(self, lost: Mapping[int, str], after: float) -> list[Action]:
         if self.cancel_reason is not None:

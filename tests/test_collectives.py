@@ -178,3 +178,20 @@ def test_a_ranks_gloo_and_nccl_recorders_are_read_as_one() -> None:
     assert len(calls) == 2 * len(collectives.parse(gloo))
     assert flight._merge([gloo, b"\xff not json"]) == json.dumps(json.loads(gloo)).encode()
     assert flight._merge([gloo]) == gloo and flight._merge([]) == b""
+
+
+def test_a_subgroups_wavefront_is_its_members_own() -> None:
+    """A rank outside a process group (the groups the ranks' dumps name) is never said to
+    have missed its collectives; garbage in that key is ignored."""
+    def with_groups(dump: str, groups: object) -> str:
+        return json.dumps({**json.loads(dump), "nbdist_groups": groups})
+
+    dumps = {r: with_groups(d, {"0": [0, 2]}) for r, d in _dumps("stop").items()}
+    got = collectives.analyse(dumps, [0, 1, 2])
+    assert got.lines[0].startswith("ranks 0, 2 wait in all_reduce #3"), got.lines
+    assert "never entered" not in got.text() and got.missing == ()
+    assert collectives.members(with_groups(_dumps("stop")[0], {"0": "x", "1": [1, "2"]})) == \
+        {"1": (1,)}
+    assert collectives.members(b"\xff") == {} and collectives.members("[1]") == {}
+    garbled = {r: with_groups(d, [0, 2]) for r, d in _dumps("stop").items()}
+    assert collectives.analyse(garbled, [0, 1, 2]).missing == (1,)

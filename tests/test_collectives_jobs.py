@@ -100,6 +100,39 @@ def test_the_recorder_turned_off_says_nothing() -> None:
     assert not os.path.exists(os.path.join(job.state.log_dir, logfiles.FLIGHT_RECORDS))
 
 
+def _fails_while_another_waits() -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    pair = dist.new_group([0, 2])  # every rank makes it; rank 1 is not in it
+    rank = dist.get_rank()
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    if rank == 0:  # waits for rank 2, which never comes (rank 1's end does not reach it)
+        dist.all_reduce(torch.ones(4), group=pair)
+    while True:
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_failed_job_says_where_the_others_stood_in_their_collectives() -> None:
+    """When a rank fails, the others' stacks and collectives are taken before they are
+    stopped: the error names the failure first, then who waited in which collective."""
+    job = nbdist.run(_fails_while_another_waits, np=3, backend="local")
+    with pytest.raises(DistributedError) as info:
+        job.result(timeout=150)
+    message = str(info.value)
+    assert info.value.reason == "failed"
+    assert message.index("ValueError: rank 1 gives up") < message.index("collectives: ")
+    assert "rank 0 waits in all_reduce #1 (4 float32, gloo)" in message, message
+    assert "rank 2 never entered it" in message, message
+    assert "_fails_while_another_waits" in job.state.forensics  # the others' stacks
+
+
 def _no_collective() -> None:
     import time
 

@@ -70,13 +70,24 @@ ROWS = [
         (ended(0, DONE, 2.0), []),
         (ended(1, DONE, 2.1), [Drain()]),
     ], End.DONE),
-    Row("the first rank to fail stops the others and is the one blamed first", 3, [
+    Row("the first rank to fail stops the others, after their stacks, and is the one blamed "
+        "first", 3, [
         (Hello(0, 1.0), []), (Hello(1, 1.0), []), (Hello(2, 1.0), [SendWorld()]),
-        (ended(1, FAILED, 2.0), [StopRanks("rank 1 failed")]),
+        (ended(1, FAILED, 2.0), [TakeStacks((0, 2), failure=True)]),
         (ended(0, FAILED, 2.1), []),  # its peer's lost connection, heard after
-        (ended(2, CANCELLED, 2.2), [Drain()]),
-    ], End.FAILED, first_failure=1, cancel_reason="rank 1 failed", running_at_cancel=[0, 2]),
-    Row("a supervisor's word of failure stops the others before any outcome", 2, [
+        (Timeout(10.0, 2.2), []),  # the stop is under way
+        (StacksTaken(2.3), [StopRanks("rank 1 failed")]),
+        (ended(2, CANCELLED, 2.4), [Drain()]),
+    ], End.FAILED, first_failure=1, cancel_reason="rank 1 failed", running_at_cancel=[2]),
+    Row("a supervisor's word of failure after the world: the others' stacks, then the stop", 2, [
+        (Hello(0, 1.0), []), (Hello(1, 1.0), [SendWorld()]),
+        (RankFailing(1, 2.0), [TakeStacks((0,), failure=True)]),
+        (RankFailing(0, 2.1), []),
+        (StacksTaken(2.2), [StopRanks("rank 1 failed")]),
+        (ended(0, FAILED, 3.0), []),
+        (ended(1, FAILED, 3.1), [Drain()]),
+    ], End.FAILED, first_failure=1, cancel_reason="rank 1 failed", running_at_cancel=[0, 1]),
+    Row("a supervisor's word of failure before the world stops the others at once", 2, [
         (RankFailing(1, 2.0), [StopRanks("rank 1 failed")]),
         (RankFailing(0, 2.1), []),
         (ended(0, FAILED, 3.0), []),

@@ -38,7 +38,7 @@ def dump() -> bytes:
             dumps.append(bytes(fn()))
         except Exception:  # a recorder that failed (off, or NCCL never started): no answer
             continue
-    data = _merge(dumps)
+    data = _with_groups(_merge(dumps))
     if len(data) <= MAX_BYTES:
         return data
     try:
@@ -72,3 +72,27 @@ def _merge(dumps: list[bytes]) -> bytes:
         (e for w in wholes for e in w.get("entries", [])),
         key=lambda e: e.get("time_created_ns", 0) if isinstance(e, dict) else 0)
     return json.dumps(merged).encode()
+
+
+#: The key nbdist adds to the dump: each process group's name → its members' global ranks
+#: (torch's own ``pg_config`` lists them for NCCL only).
+GROUPS = "nbdist_groups"
+
+
+def _with_groups(data: bytes) -> bytes:
+    """``data`` with :data:`GROUPS` added, from ``torch.distributed``'s own bookkeeping."""
+    if not data:
+        return data
+    try:
+        from torch.distributed import distributed_c10d
+
+        world = distributed_c10d._world
+        groups = {str(name): sorted(int(r) for r in world.pg_group_ranks.get(pg, {}))
+                  for pg, name in list(world.pg_names.items())}
+        whole = json.loads(data)
+        if not isinstance(whole, dict):
+            return data
+        whole[GROUPS] = {name: ranks for name, ranks in groups.items() if ranks}
+        return json.dumps(whole).encode()
+    except Exception:  # another torch's bookkeeping: the dump without the groups
+        return data

@@ -5,8 +5,8 @@ initialises CUDA and trains; NCCL's process group with one GPU per rank; a cell 
 a CUDA tensor; ``--gpu`` on the local backend; a session keeping a CUDA model between cells;
 the panel naming each rank's GPU; a module that starts CUDA at import: ranks start fresh and
 say why (``rank/fork_safety.py``); NCCL's flight recorder naming a hung all-reduce;
-``%dist_check --gpu``; JAX finding the rank's GPU. With one GPU the multi-rank checks run on one rank (NCCL
-refuses two ranks on one device). Run them alone with ``pytest -m gpu``.
+``%dist_check --gpu``; JAX finding the rank's GPU. With one GPU the multi-rank checks run on
+one rank (NCCL refuses two ranks on one device). Run them alone with ``pytest -m gpu``.
 """
 
 from __future__ import annotations
