@@ -20,6 +20,7 @@ from .helpers import GONE_WITHIN_S, Gate
 # of those tests an import of torch; tests/test_warm_at_load.py turns it on where it is tested.
 os.environ.setdefault("NBDIST_WARM_AT_LOAD", "0")
 from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/faults)
+    CLUSTER_FIXTURES,
     no_leftover_spark_ranks,
     release,
     spark_cluster,
@@ -100,7 +101,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 #: Markers of what only one process at a time may hold (one Spark JVM and standalone cluster, one
 #: Ray cluster, the multi-host tests' simulated hosts on a fixed subnet, the browser's JupyterLab):
 #: under pytest-xdist (``make test``: ``-n ... --dist loadgroup``) the tests of each run in one
-#: worker, in their file order, while the other workers share out the rest.
+#: worker, in their file order, while the other workers share out the rest. Spark's are two
+#: groups: the tests of the standalone cluster form ``spark-cluster``.
 XDIST_GROUPS = ("multihost", "spark", "ray", "browser")
 
 
@@ -118,6 +120,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = next((m for m in XDIST_GROUPS if item.get_closest_marker(m)), None)
         if group is None and uses_spark(item):
             group = "spark"
+        if group == "spark" and uses_spark(item, CLUSTER_FIXTURES):
+            # Two Spark workers, each with a JVM of its own: the local session's tests and
+            # the standalone cluster's (and Connect's) run side by side.
+            group = "spark-cluster"
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 

@@ -414,8 +414,12 @@ def sparks(
         pytest.fail("the Spark tests need Java 17 (apt-get install openjdk-17-jre-headless)")
     sigint = signal.getsignal(signal.SIGINT)  # a SparkContext installs its own handler
     manager = _manager = Sparks(tmp_path_factory.mktemp("spark"), dict(os.environ))
-    if any(uses_spark(item, CLUSTER_FIXTURES) for item in request.session.items):
-        manager.launch_cluster()  # it comes up while the local-session tests run
+    # Where one process runs every Spark test, the cluster comes up while the local-session
+    # tests run. An xdist worker collected every test but runs one group (tests/conftest.py):
+    # the cluster's group starts it with its first test, the local group never does.
+    if not os.environ.get("PYTEST_XDIST_WORKER") and any(
+            uses_spark(item, CLUSTER_FIXTURES) for item in request.session.items):
+        manager.launch_cluster()
     yield manager
     manager.stop()
     _manager = None

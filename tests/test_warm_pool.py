@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 import threading
 from collections.abc import Callable
@@ -406,50 +405,55 @@ def test_a_notebook_folder_named_like_the_environment_is_not_preloaded(
         shutil.rmtree(folder)
 
 
+def installed_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``site-packages`` folder of the test's own on the ranks' PYTHONPATH: what it holds
+    counts as installed. Never the environment's own site-packages: a file written there
+    changes the installation's stamp for every other test running beside this one (another
+    xdist worker's zygotes would all be stale at once)."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(site), os.environ.get("PYTHONPATH")])))
+    return site
+
+
 @pytest.mark.slow
 def test_a_development_checkout_symlinked_into_site_packages_is_not_preloaded(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A package whose real path is a checkout (symlinked in) is edited code, never kept."""
     pytest.importorskip("torch")
     checkout = tmp_path / "src" / "nbdist_devpkg"
     checkout.mkdir(parents=True)
     (checkout / "__init__.py").write_text("VALUE = 1\n")
-    link = Path(sysconfig.get_paths()["purelib"]) / "nbdist_devpkg"
+    link = installed_here(tmp_path, monkeypatch) / "nbdist_devpkg"
     link.symlink_to(checkout, target_is_directory=True)
-    try:
-        assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 1
-        assert local.pool.wait_ready(timeout=60)
-        assert "torch" in local.pool.modules and "nbdist_devpkg" not in local.pool.modules
-        _edit(checkout / "__init__.py", "VALUE = 22\n")
-        assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 22
-    finally:
-        link.unlink()
+    assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 1
+    assert local.pool.wait_ready(timeout=60)
+    assert "torch" in local.pool.modules and "nbdist_devpkg" not in local.pool.modules
+    _edit(checkout / "__init__.py", "VALUE = 22\n")
+    assert nbdist.run(_value_of("nbdist_devpkg"), np=1).result()["value"] == 22
 
 
 @pytest.mark.slow
-def test_a_file_edited_inside_site_packages_gets_a_new_zygote() -> None:
+def test_a_file_edited_inside_site_packages_gets_a_new_zygote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An installed module the zygote preloaded, edited in place: the next run has the edit."""
     pytest.importorskip("torch")
-    site = Path(sysconfig.get_paths()["purelib"])
-    module = site / "nbdist_sitemod.py"
+    module = installed_here(tmp_path, monkeypatch) / "nbdist_sitemod.py"
     module.write_text("VALUE = 1\n")
-    try:
-        first = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
-        assert first["value"] == 1
-        assert local.pool.wait_ready(timeout=60)
-        assert "nbdist_sitemod" in local.pool.modules  # installed: the zygote holds it
-        _edit(module, "VALUE = 22\n")
-        second = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
-        assert second["value"] == 22
-        # The stale zygote is replaced: the run after is forked from a new one, with the edit.
-        third = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
-        assert third["value"] == 22 and third["parent"] in local.pool.pids()
-        assert third["parent"] != first["parent"]
-    finally:
-        module.unlink()
-        for cached in site.glob("__pycache__/nbdist_sitemod.*"):
-            cached.unlink()
+    first = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+    assert first["value"] == 1
+    assert local.pool.wait_ready(timeout=60)
+    assert "nbdist_sitemod" in local.pool.modules  # installed: the zygote holds it
+    _edit(module, "VALUE = 22\n")
+    second = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+    assert second["value"] == 22
+    # The stale zygote is replaced: the run after is forked from a new one, with the edit.
+    third = nbdist.run(_value_of("nbdist_sitemod"), np=1).result()
+    assert third["value"] == 22 and third["parent"] in local.pool.pids()
+    assert third["parent"] != first["parent"]
 
 
 def test_a_zygote_imports_what_every_rank_needs_with_the_first_job() -> None:

@@ -22,7 +22,8 @@ from ..helpers import Gate, wait_for
 from ..sparks import ConnectServer, Sparks
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.usefixtures("no_leftover_spark_ranks")]
+              pytest.mark.usefixtures("no_leftover_spark_ranks"),
+              pytest.mark.xdist_group("spark-cluster")]  # its server runs on the cluster
 
 
 @pytest.fixture

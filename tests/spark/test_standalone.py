@@ -13,7 +13,7 @@ import nbdist
 from nbdist import state
 from nbdist.rank import executor_zygote
 
-from ..sparks import WORKERS, spark_job_ids
+from ..sparks import WORKERS, Sparks, spark_job_ids
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -111,12 +111,13 @@ def test_dynamic_allocation_is_explained_not_waited_on(spark_cluster: SparkSessi
 
 @pytest.mark.skipif(not executor_zygote.supported(), reason="Linux only")
 def test_two_executors_on_one_machine_each_get_their_own_zygote(
-    spark_cluster: SparkSession, spark_mark: str,
+    spark_cluster: SparkSession, spark_mark: str, sparks: Sparks,
 ) -> None:
     """The two workers share this machine's /tmp: each executor still gets its own zygote,
     named by its JVM's pid, and forks the ranks of its own tasks (none crosses executors)."""
-    from .test_warm_executors import _executor_jvms, _until_forked, zygotes
+    from .test_warm_executors import _executor_jvms, _until_forked, fresh_application, zygotes
 
+    fresh_application(sparks, spark_mark, "standalone")
     job = _until_forked(4)
     jvms = {}  # executor JVM pid -> its host
     for proc in _executor_jvms(spark_mark):

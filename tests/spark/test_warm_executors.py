@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import socket
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,38 @@ from ..sparks import MARK, Sparks, marked_rank_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(not executor_zygote.supported(), reason="Linux only")]
+
+
+_fresh: set[str] = set()
+
+
+def fresh_application(sparks: Sparks, mark: str, kind: str) -> SparkSession:
+    """A session of ``kind`` in a new application, once the last one's zygotes are gone: the
+    earlier tests' jobs (other environments) left zygotes on its executors, up to
+    ``MAX_PER_EXECUTOR`` each, and these tests count them."""
+    sparks.stop_session()
+    _none_within(lambda: zygotes(mark), "the last application's zygotes to go with it")
+    return sparks.local() if kind == "local" else sparks.standalone()
+
+
+def _fresh_once(sparks: Sparks, mark: str, kind: str) -> SparkSession:
+    if kind in _fresh:
+        return sparks.local() if kind == "local" else sparks.standalone()
+    _fresh.add(kind)
+    return fresh_application(sparks, mark, kind)
+
+
+@pytest.fixture
+def spark_local(sparks: Sparks, spark_mark: str) -> SparkSession:
+    """``local[2]``, as the shared fixture, in an application of this module's own."""
+    return _fresh_once(sparks, spark_mark, "local")
+
+
+@pytest.fixture
+def spark_cluster(sparks: Sparks, spark_mark: str) -> SparkSession:
+    """The standalone cluster's session, as the shared fixture, in an application of this
+    module's own."""
+    return _fresh_once(sparks, spark_mark, "standalone")
 
 
 def _rank() -> dict[str, Any]:
@@ -106,8 +137,18 @@ def test_later_runs_fork_their_ranks_from_the_executors_zygote(
         assert "fork from executor zygote" in names
 
 
+def installed_here(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A ``site-packages`` folder of the test's own and the job environment that puts it on
+    the ranks' PYTHONPATH (what it holds counts as installed there). Never the environment's
+    own site-packages: a file written there changes the installation's stamp for every test
+    running beside this one (another xdist worker's zygotes would all be stale at once)."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    return site, {"PYTHONPATH": str(site)}
+
+
 def test_an_installed_module_edited_between_runs_is_never_stale_on_an_executor(
-    spark_local: SparkSession, spark_mark: str,
+    spark_local: SparkSession, spark_mark: str, tmp_path: Path,
 ) -> None:
     """A module in site-packages that the executor's zygote preloaded, edited in place (what a
     pip install on the executors does): the next run has the edit, and later runs are forked
@@ -122,26 +163,23 @@ def test_an_installed_module_edited_between_runs_is_never_stale_on_an_executor(
 
         return {"value": nbdist_sitemod_spark.VALUE, "parent": os.getppid()}
 
-    # Zygotes of earlier tests (other environments) hold the executor's two places, and the
-    # new file in site-packages makes them stale anyway: start from none.
+    # Zygotes of earlier tests (other environments) hold the executor's two places: start
+    # from none.
     _stop_zygotes(spark_mark)
-    site = Path(sysconfig.get_paths()["purelib"])
+    site, env = installed_here(tmp_path)
     module = site / "nbdist_sitemod_spark.py"
     module.write_text("VALUE = 1\n")
     try:
-        first = _until_forked(2, fn=value).results
+        first = _until_forked(2, fn=value, env=env).results
         assert [r["value"] for r in first] == [1, 1]
         _edit(module, "VALUE = 22\n")
-        second = nbdist.run(value, np=2, backend="spark").results
+        second = nbdist.run(value, np=2, backend="spark", env=env).results
         assert [r["value"] for r in second] == [22, 22]
-        third = _until_forked(2, fn=value).results
+        third = _until_forked(2, fn=value, env=env).results
         assert [r["value"] for r in third] == [22, 22]
         assert {r["parent"] for r in third}.isdisjoint(r["parent"] for r in first), \
             "a rank was forked from the stale zygote"
     finally:
-        module.unlink()
-        for cached in site.glob("__pycache__/nbdist_sitemod_spark.*"):
-            cached.unlink()
         _stop_zygotes(spark_mark)  # stale now that the module is gone: no test after gets one
 
 
@@ -169,26 +207,26 @@ def test_the_executors_zygote_judges_fork_safety_by_the_cuda_driver_and_says_why
 
     lib = _fake_libcuda(tmp_path)
     _stop_zygotes(spark_mark)
-    site = Path(sysconfig.get_paths()["purelib"])
+    site, env = installed_here(tmp_path)
     modules = {site / "nbdist_maps_libcuda_spark.py": f"import ctypes\nctypes.CDLL({str(lib)!r})\n",
                site / "nbdist_threaded_spark.py": "import threading\nthreading.Thread(target="
                "threading.Event().wait, daemon=True, name='poller').start()\n"}
     for path, source in modules.items():
         path.write_text(source)
     try:
-        first = nbdist.run(_maps_libcuda, np=2, backend="spark")
+        first = nbdist.run(_maps_libcuda, np=2, backend="spark", env=env)
         assert len(first.results) == 2
         assert [(r.start, r.start_why) for r in first.state.ranks] == [
             ("fresh", "no zygote on this executor yet (this task leaves one behind for the "
                       "next runs)")] * 2
-        job = _until_forked(2, fn=_maps_libcuda)
+        job = _until_forked(2, fn=_maps_libcuda, env=env)
         (parent,) = {r["parent"] for r in job.results}
         with open(f"/proc/{parent}/maps") as maps:
             assert str(lib) in maps.read()  # the zygote that forked them maps it
         assert [r.start for r in job.state.ranks] == ["forked", "forked"]
         refused = "the executor's zygote cannot fork: thread 'poller' (runs threading.Event.wait"
         for _ in range(6):  # the first runs leave a zygote behind, which imports the module
-            threaded = nbdist.run(_threaded, np=2, backend="spark")
+            threaded = nbdist.run(_threaded, np=2, backend="spark", env=env)
             assert threaded.results == [1, 1]
             whys = [r.start_why for r in threaded.state.ranks]
             if all(why.startswith(refused) for why in whys):
@@ -198,10 +236,6 @@ def test_the_executors_zygote_judges_fork_safety_by_the_cuda_driver_and_says_why
         assert "module nbdist_threaded_spark started it at import" in whys[0]
         assert [r.start for r in threaded.state.ranks] == ["fresh", "fresh"]
     finally:
-        for path in modules:
-            path.unlink()
-        for cached in site.glob("__pycache__/nbdist_*_spark.*"):
-            cached.unlink()
         _stop_zygotes(spark_mark)
 
 
@@ -244,10 +278,10 @@ def _listening(zygote: psutil.Process) -> list[str]:
 
 
 def _hostile_packets_leave_the_zygotes_serving(session: SparkSession, mark: str, np: int) -> None:
-    from nbdist.launch.spark import _APP_SECRETS
+    from nbdist.launch import APP_SECRETS
 
     first = _until_forked(np)
-    secret = _APP_SECRETS[session.sparkContext.applicationId]
+    secret = APP_SECRETS[session.sparkContext.applicationId]
     mine = {z.pid for z in zygotes(mark)} & {r["ppid"] for r in first.results}
     assert mine, "no zygote forked this application's ranks"
     cases = hostile.zygote_malformed(secret)
