@@ -59,7 +59,8 @@ _lock = threading.Lock()
 
 
 def kind(value: Any) -> str | None:
-    """``"spark"``, ``"pandas"`` or ``"arrow"`` for a table :func:`plan_for` takes, else None
+    """``"spark"``, ``"ray"``, ``"pandas"`` or ``"arrow"`` for a table :func:`plan_for` takes,
+    else None
     (by the type's module and name: nothing is imported to ask)."""
     for cls in type(value).__mro__:
         module = (getattr(cls, "__module__", "") or "").partition(".")[0]
@@ -70,6 +71,8 @@ def kind(value: Any) -> str | None:
             return "pandas"
         if module == "pyarrow" and name in ("Table", "RecordBatch"):
             return "arrow"
+        if module == "ray" and name == "Dataset":
+            return "ray"
     return None
 
 
@@ -82,7 +85,7 @@ def plan_for(value: Any, name: str) -> ShardPlan:
     what = kind(value)
     if what is None:
         raise DataError(f"nbdist.shard({name}): {name} is a {type(value).__name__}, not a "
-                        f"Spark or pandas DataFrame or pyarrow Table")
+                        f"Spark or pandas DataFrame, a Ray Dataset or a pyarrow Table")
     require_pyarrow()
     fingerprint = _fingerprint(value) if what == "pandas" else None
     with _lock:
@@ -95,6 +98,7 @@ def plan_for(value: Any, name: str) -> ShardPlan:
                                  dir=root)
     try:
         plan = (_export_spark(value, name, directory) if what == "spark" else
+                _export_ray(value, name, directory) if what == "ray" else
                 _export_arrow(value, name, what, directory))
         if plan.num_rows == 0:
             raise DataError(f"nbdist.shard({name}): {plan.origin} is empty: there are no rows "
@@ -235,13 +239,29 @@ def _export_spark(df: Any, name: str, directory: str) -> ShardPlan:
     out = os.path.join(directory, "parquet")
     # The executors write their partitions; the driver sees only the commit: flat in memory.
     df.write.parquet("file://" + out if "://" not in out else out)
+    return _read_export(out, f"Spark DataFrame {name!r}", name, "The executors")
+
+
+def _export_ray(ds: Any, name: str, directory: str) -> ShardPlan:
+    """Ray's workers write the Dataset as Parquet (streamed, block by block): its rows never
+    pass through the kernel, which reads the files' footers only."""
+    out = os.path.join(directory, "parquet")
+    ds.write_parquet(out)
+    if not os.path.isdir(out) or not os.listdir(out):
+        if ds.count() == 0:
+            raise DataError(f"nbdist.shard({name}): Ray Dataset {name!r} is empty: there are "
+                            f"no rows to share among the ranks")
+    return _read_export(out, f"Ray Dataset {name!r}", name, "Ray's workers")
+
+
+def _read_export(out: str, origin: str, name: str, writers: str) -> ShardPlan:
     try:
-        return plan_from_path(out, f"Spark DataFrame {name!r}")
+        return plan_from_path(out, origin)
     except ShardError as exc:
         raise DataError(
-            f"nbdist.shard({name}): {exc}. The executors wrote the export to {out}, which "
-            f"the kernel cannot read: set {SHARD_DIR_CONF} (or {SHARD_DIR_ENV}) to storage "
-            f"every host mounts (e.g. /dbfs/tmp/nbdist)") from None
+            f"nbdist.shard({name}): {exc}. {writers} wrote the export to {out}, which the "
+            f"kernel cannot read: set {SHARD_DIR_ENV} (or, on Spark, {SHARD_DIR_CONF}) to "
+            f"storage every host mounts (e.g. /dbfs/tmp/nbdist, an NFS folder)") from None
 
 
 def _check_schema(df: Any, name: str) -> None:

@@ -11,6 +11,8 @@ payload needs before it runs is ``launch/payload.py``'s.
 from __future__ import annotations
 
 import os
+import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -106,3 +108,21 @@ class Launcher(Protocol):
         """Hand ``event`` to rank ``rank``'s supervisor in this process, in the calling thread,
         where the backend runs it here (True); False: it goes on the event channel."""
         ...
+
+
+#: Each application's secret for its hosts' zygotes (a Spark application, a Ray job), made
+#: here on the driver once per application and shipped with its ranks' launch.
+APP_SECRETS: dict[str, str] = {}
+_SECRETS_LOCK = threading.Lock()
+
+
+def warmth(app: str) -> tuple[str, str, float] | None:
+    """What a backend's ranks need to use their hosts' zygotes (``rank/executor_zygote.py``):
+    the application's id, its secret and the idle time (``NBDIST_WARM_IDLE_S``, 600 s); None
+    when zygotes are off (``NBDIST_ZYGOTE=0``, ``NBDIST_WARM_POOL=0``) or ``app`` is empty."""
+    if not app or os.environ.get("NBDIST_ZYGOTE", "1") == "0" or os.environ.get(
+            "NBDIST_WARM_POOL", "1") == "0":
+        return None
+    with _SECRETS_LOCK:
+        secret = APP_SECRETS.setdefault(app, secrets.token_hex(32))
+    return app, secret, float(os.environ.get("NBDIST_WARM_IDLE_S", "600"))

@@ -312,7 +312,7 @@ class RayLauncher:
             from nbdist.rank.ray_host import RankHost
 
             actor_class = ray.remote(RankHost)
-            fields = request.fields()
+            fields, warm = request.fields(), self._warmth()
             refs: dict[Any, tuple[list[int], str]] = {}
             for position, bundle in enumerate(order):
                 ranks = list(range(position * k, position * k + k))
@@ -323,7 +323,8 @@ class RayLauncher:
                 ).remote()
                 with self._lock:
                     self._actors.append(actor)
-                refs[actor.run.remote(ranks, fields, __version__)] = (ranks, hosts[bundle])
+                refs[actor.run.remote(ranks, fields, __version__, warm)] = (
+                    ranks, hosts[bundle])
         except BaseException:  # nothing of a job that did not start is left on the nodes
             self._release()
             raise
@@ -334,6 +335,11 @@ class RayLauncher:
         if cancelled:  # cancelled while the group was being placed
             self._cancelled = False
             self.cancel()
+
+    def _warmth(self) -> tuple[str, str, float] | None:
+        """What the actors need for their nodes' zygotes (``launch.warmth``, as on Spark's
+        executors), for this Ray job."""
+        return launch.warmth("ray-" + str(self._ray.get_runtime_context().get_job_id()))
 
     def _bundle_order(self, pg: Any, bundles: int) -> tuple[list[int], dict[int, str]]:
         """The bundles in rank order, those of one node together (nodes in the order of their

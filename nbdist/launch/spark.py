@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import secrets
 import signal
@@ -69,8 +68,6 @@ SERVER_PROBES = 3
 GIVE_UP_S = 10.0
 
 #: One secret per Spark application: its executors' zygotes fork ranks only for those who know it.
-_APP_SECRETS: dict[str, str] = {}
-_SECRETS_LOCK = threading.Lock()
 #: A barrier task: its rank and how the rank ended.
 _Task = Callable[[Iterable[Any]], Iterator[tuple[int, dict[str, Any]]]]
 
@@ -553,18 +550,10 @@ class SparkLauncher:
 
     # -- running ----------------------------------------------------------------------------
     def _warmth(self) -> tuple[str, str, float] | None:
-        """What the tasks need to use their executors' zygotes (``executor_zygote.py``): the
-        application's id, its secret (made once per application, here on the driver) and the
-        idle time; None when zygotes are off (``NBDIST_ZYGOTE=0``, ``NBDIST_WARM_POOL=0``)."""
-        if os.environ.get("NBDIST_ZYGOTE", "1") == "0" or os.environ.get(
-                "NBDIST_WARM_POOL", "1") == "0":
-            return None
-        app = self._conf("spark.app.id") if self.connect else str(self._sc.applicationId)
-        if not app:
-            return None
-        with _SECRETS_LOCK:
-            secret = _APP_SECRETS.setdefault(app, secrets.token_hex(32))
-        return app, secret, float(os.environ.get("NBDIST_WARM_IDLE_S", "600"))
+        """What the tasks need to use their executors' zygotes (``launch.warmth``), for this
+        Spark application."""
+        return launch.warmth(self._conf("spark.app.id") if self.connect
+                             else str(self._sc.applicationId))
 
     def start(self, request: LaunchRequest, on_outcome: Callable[[RankOutcome], None]) -> None:
         from pyspark import InheritableThread

@@ -73,6 +73,8 @@ WAIT_S = 60.0
 #: At most this many zygotes per executor and uid (each holds its imports: torch ≈ 300 MB);
 #: another environment then starts its ranks fresh until one of them goes.
 MAX_PER_EXECUTOR = 2
+#: The longest ``leave_behind(settle=True)`` waits for the process that forks the zygote.
+SETTLE_S = 10.0
 #: The longest a rank waits for rank 0 of its job to be forked first on the same zygote.
 FIRST_WAIT_S = 1.0
 #: The nice value of the imports of a zygote started while a job's rank runs beside it.
@@ -133,7 +135,7 @@ class ExecutorConfig(TypedDict):
     """Task → the zygote it starts, as JSON on its stdin."""
 
     path: str  # the socket's name
-    secret: str  # the application's (the driver's ``_APP_SECRETS``)
+    secret: str  # the application's (the driver.s ``launch.APP_SECRETS``)
     idle_s: float
     modules: list[str]  # to import at once
     nice: int  # the priority of those imports
@@ -236,6 +238,7 @@ class ExecutorZygote:
         self._modules: list[str] = []
         #: The pid of the process this task started to become the executor's zygote, if any.
         self.started: int | None = None
+        self._intermediate: subprocess.Popen[bytes] | None = None  # that process
         self._wanted = False  # none was there: this task starts one once its rank imported
         self._starting = False
         self._started = threading.Event()
@@ -374,21 +377,26 @@ class ExecutorZygote:
         self.started = self._start(self._modules, nice)
         self._started.set()
 
-    def leave_behind(self, modules: list[str]) -> int | None:
+    def leave_behind(self, modules: list[str], settle: bool = False) -> int | None:
         """After the rank: when no zygote was started for the next tasks yet (the rank never
         got to its imports; or the zygote there would not fork, e.g. a module of it changed on
         disk and it went), start one now, importing ``modules`` (what the rank imported) as
-        well; see :meth:`_start`. Returns once the start (a fork and exec) is done."""
+        well; see :meth:`_start`. Returns once the start (a fork and exec) is done; with
+        ``settle``, once the zygote is on its own (the process that forks it has exited): a
+        Ray actor is killed, with its children, as soon as it returns."""
         self._connected.wait(WAIT_S)
         with self._lock:
             starting, self._starting = self._starting, True
         if starting:
             self._started.wait(WAIT_S)
-            return self.started
-        if self._rank is not None:
+        elif self._rank is not None:
             return None
-        self._modules = sorted(set(modules) | set(self._modules))
-        self._start_wanted(LOW_NICE)
+        else:
+            self._modules = sorted(set(modules) | set(self._modules))
+            self._start_wanted(LOW_NICE)
+        if settle and self._intermediate is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._intermediate.wait(SETTLE_S)
         return self.started
 
     def _start(self, modules: list[str], nice: int) -> int | None:
@@ -430,6 +438,7 @@ class ExecutorZygote:
             proc.stdin.write(json.dumps(config).encode())
             proc.stdin.close()
         # It forks the zygote and exits at once: reaped here, off the task's path.
+        self._intermediate = proc
         threading.Thread(target=proc.wait, name="nbdist-executor-zygote-start",
                          daemon=True).start()
         return proc.pid

@@ -31,10 +31,11 @@ class RankHost:
         return {"host": host, "node": f"{host} ({node[:12]})",
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def run(self, ranks: list[int], request: dict[str, Any], version: str
-            ) -> list[tuple[int, dict[str, Any]]]:
+    def run(self, ranks: list[int], request: dict[str, Any], version: str,
+            warm: tuple[str, str, float] | None = None) -> list[tuple[int, dict[str, Any]]]:
         """Run ``ranks`` (one per GPU of the actor with ``--gpu``, in the order Ray lists
-        them), side by side; their outcomes in the order given."""
+        them), side by side; their outcomes in the order given. ``warm``: the Ray job's id,
+        secret and idle time, for the node's zygote (``rank/executor_zygote.py``)."""
         scheduled = time.time()
         from nbdist._version import __version__
 
@@ -55,7 +56,7 @@ class RankHost:
         def one(j: int, rank: int) -> None:
             try:
                 outcomes[rank] = run_rank(launch, rank, where["host"], where["node"],
-                                          (gpus[j],) if gpus else (), scheduled)
+                                          (gpus[j],) if gpus else (), scheduled, warm)
             except BaseException as exc:  # every rank must end with an outcome
                 outcomes[rank] = RankOutcome(rank, RankStatus.FAILED, error={
                     "type": type(exc).__name__, "traceback": traceback.format_exc(),
@@ -72,14 +73,18 @@ class RankHost:
 
 
 def run_rank(launch: LaunchRequest, rank: int, host: str, node: str, gpus: tuple[str, ...],
-             scheduled: float) -> dict[str, Any]:
-    """One rank under the shared supervisor; its outcome's plain fields. The ranks need the
+             scheduled: float, warm: tuple[str, str, float] | None = None) -> dict[str, Any]:
+    """One rank under the shared supervisor, forked from the node's zygote where there is one
+    (as on a Spark executor: ``rank/task.py``); its outcome's plain fields. The ranks need the
     event channel (no fallback rendezvous): Ray offers no barrier to meet through."""
-    from nbdist.rank.supervisor import RankSpec, Supervisor
+    from nbdist.rank.supervisor import RankSpec
+    from nbdist.rank.task import supervise
 
     spec = RankSpec.for_rank(launch, rank, env=worker_pythonpath(), host=host, gpus=gpus,
                              python=sys.executable, executor=node, scheduled=scheduled)
-    return Supervisor(spec).run().fields()
+    # The actor is killed, with its children, once it returns: the zygote it leaves behind
+    # must be on its own by then.
+    return supervise(spec, warm, launch.modules, settle=True).fields()
 
 
 def worker_pythonpath() -> dict[str, str]:

@@ -35,7 +35,7 @@ def run_task(
     import json
 
     from nbdist._version import __version__
-    from nbdist.rank.supervisor import RankSpec, Supervisor
+    from nbdist.rank.supervisor import RankSpec
 
     if __version__ != version:
         return {"status": RankStatus.FAILED.value, "error": {
@@ -60,21 +60,33 @@ def run_task(
         # part (they all fail to reach the same driver address).
         return [json.loads(h) for h in ctx.allGather(json.dumps(hello))]
 
-    zygote = _executor_zygote(spec, warm, launch.modules)
-    sup = Supervisor(spec, take=_take(zygote, warm is not None, lambda: sup),
-                     gather=gather if gather_ok else None)
+    return supervise(spec, warm, launch.modules, gather if gather_ok else None).fields()
+
+
+def supervise(spec: Any, warm: tuple[str, str, float] | None, modules: tuple[str, ...],
+              gather: Callable[[HelloEvent], list[HelloEvent]] | None = None,
+              settle: bool = False) -> RankOutcome:
+    """Run one rank under its supervisor, forked from this host's executor zygote where there
+    is one (``warm``: the application's id, secret and idle time; a rank started fresh leaves
+    a zygote behind, on its own before this returns with ``settle``); its outcome, also when
+    nbdist itself fails. A Spark task's and a Ray actor's rank alike."""
+    from nbdist.rank.supervisor import Supervisor
+
+    zygote = executor_zygote(spec, warm, modules)
+    sup = Supervisor(spec, take=zygote_take(zygote, warm is not None, lambda: sup),
+                     gather=gather)
     if zygote is not None:
         sup.on_mark = zygote.on_mark
     try:
         outcome = sup.run()
         if zygote is not None:
-            zygote.leave_behind(sup.modules)
+            zygote.leave_behind(sup.modules, settle)
     except Exception as exc:  # a bug in nbdist must still end the rank with an outcome
-        outcome = RankOutcome(rank, RankStatus.FAILED, error={
+        outcome = RankOutcome(spec.rank, RankStatus.FAILED, error={
             "type": type(exc).__name__, "traceback": traceback.format_exc(),
-            "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
+            "message": f"nbdist's supervisor of rank {spec.rank} failed: {exc!r}",
         })
-    return outcome.fields()
+    return outcome
 
 
 def run_ranks(ctx: Any, task: int, per_task: int, run: Callable[..., dict[str, Any]]
@@ -117,9 +129,10 @@ def run_ranks(ctx: Any, task: int, per_task: int, run: Callable[..., dict[str, A
     return [(r, outcomes[r]) for r in ranks]
 
 
-def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
-                     modules: tuple[str, ...]) -> Any:
-    """The task's handle on its executor's zygote, already connecting; None when off."""
+def executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
+                    modules: tuple[str, ...]) -> Any:
+    """The task's (or Ray actor's) handle on its executor's zygote, already connecting; None
+    when off."""
     if warm is None:
         return None
     from nbdist.rank.executor_zygote import ExecutorZygote, supported
@@ -131,7 +144,7 @@ def _executor_zygote(spec: Any, warm: tuple[str, str, float] | None,
     return zygote
 
 
-def _take(zygote: Any, wanted: bool, sup: Callable[[], Any]) -> Callable[[Any], Any]:
+def zygote_take(zygote: Any, wanted: bool, sup: Callable[[], Any]) -> Callable[[Any], Any]:
     """The supervisor's ``take``: a rank forked from the executor's zygote, with its marks; or
     why not (``wanted``: the driver asked for zygotes)."""
     from nbdist import timeline

@@ -194,3 +194,29 @@ def no_leftover_ray() -> Iterator[None]:
     if not ray.is_initialized():  # the cluster did not start: nothing of a job to look for
         return
     wait_for(lambda: not groups_left(), 10.0, "nbdist's placement groups to be removed")
+
+
+def ray_zygotes() -> list[psutil.Process]:
+    """The zygotes nbdist left on this cluster's nodes (their lock files are named by the
+    node's raylet: ``z-<raylet pid>-...``)."""
+    from nbdist.rank.executor_zygote import COMMAND
+
+    raylets = {str(p.pid) for p in psutil.Process(os.getpid()).children(recursive=True)
+               if p.name() == "raylet"}
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if COMMAND in " ".join(proc.cmdline()) and any(
+                    os.path.basename(f.path).split("-")[1:2] == [pid]
+                    for f in proc.open_files() for pid in raylets):
+                found.append(proc)
+        except (psutil.Error, IndexError):
+            pass
+    return found
+
+
+def stop_ray_zygotes() -> None:
+    """End them (earlier tests' environments hold a node's two places: MAX_PER_EXECUTOR)."""
+    for proc in ray_zygotes():
+        proc.terminate()
+    wait_for(lambda: not ray_zygotes(), 30, "the nodes' zygotes to go")

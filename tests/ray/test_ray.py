@@ -8,6 +8,7 @@ import os
 import time
 from typing import Any
 
+import psutil
 import pytest
 
 import nbdist
@@ -160,3 +161,126 @@ def test_the_ray_notebook_runs_its_cells_on_the_cluster(on_ray: Any, monkeypatch
     assert "[rank 1]" in texts[1] and "sum 3" in texts[1].split("[rank 1]")[1]
     assert texts[1].rstrip().endswith("3")  # rank 0's value is the cell's result
     assert "Ray cluster: 2 nodes, 8 CPUs" in texts[2]
+
+
+def test_shard_of_a_ray_dataset_gives_each_rank_its_rows(on_ray: Any, ip: Any) -> None:
+    """``nbdist.shard(ds)`` of a Ray Dataset: Ray's workers write it once (Parquet), the four
+    Ray ranks each read a part, every row once (equal parts with ``equal=True``), and an empty
+    Dataset is refused before launch naming it."""
+    import gc
+
+    import ray
+
+    from nbdist import data
+    from nbdist.errors import CaptureError
+
+    ip.user_ns["ds"] = ray.data.range(5_000, override_num_blocks=3).map_batches(
+        lambda b: {"id": b["id"], "x": b["id"] * 2.0})
+    from ray.data.expressions import col
+
+    ip.user_ns["empty"] = ray.data.range(10).filter(expr=col("id") < 0)
+    try:
+        cell = ("%%distributed -np 4 --backend ray -o parts\nimport nbdist\n"
+                "s = nbdist.shard(ds, batch_size=700{extra})\n"
+                "[v for b in s for v in b.column('id').to_pylist()]")
+        run(ip, cell.format(extra=""))
+        parts = ip.user_ns["parts"]
+        assert sorted(v for p in parts for v in p) == list(range(5_000))
+        assert all(p for p in parts) and all(p == sorted(p) for p in parts)
+        (directory,) = data.exports()
+        run(ip, cell.format(extra=", equal=True"))
+        parts = ip.user_ns["parts"]
+        assert len({len(p) for p in parts}) == 1 and data.exports() == [directory]
+        with pytest.raises(CaptureError, match="nbdist.shard\\(empty\\): Ray Dataset 'empty' "
+                                               "is empty"):
+            result = ip.run_cell("%%distributed -np 2 --backend ray\nimport nbdist\n"
+                                 "nbdist.shard(empty)\n")
+            result.raise_error()
+    finally:
+        for name in ("ds", "empty", "parts"):
+            ip.user_ns.pop(name, None)
+        ip.run_cell("pass")
+        gc.collect()
+    assert data.exports() == []
+
+
+def _attempt(ready: str) -> Any:
+    def attempt() -> str:
+        import os
+        import time
+
+        count = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        if count == "0":  # the first attempt runs until its node goes
+            with open(f"{ready}.{os.environ['RANK']}", "w"):
+                pass
+            time.sleep(600)
+        return count
+
+    return attempt
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_during_a_job_restarts_it_once_the_cluster_can_place_it(
+    on_ray: Any, tmp_path: Any
+) -> None:
+    """One rank per node (STRICT_SPREAD); the second node is removed while both run: its rank
+    is lost with its node, the job names the node, waits while one node cannot place two
+    bundles, and with ``--max-restarts 1`` runs again once a node is back."""
+    from .conftest import node_args, registered
+
+    ray_backend.settings.strategy = "STRICT_SPREAD"
+    ip = NODES[1][0]
+    job = nbdist.run(_attempt(str(tmp_path / "ready")), np=2, backend="ray", gpu=False,
+                     max_restarts=1, capacity_wait=400)
+    back = None
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("ready.*"))) == 2, 180, "both ranks to run")
+        (node,) = [n for n in on_ray.list_all_nodes() if n.node_ip_address == ip]
+        on_ray.remove_node(node)
+        wait_for(lambda: "waiting for" in (job.state.note or ""), 180,
+                 "the restart to wait for a second node")
+        back = on_ray.add_node(wait=False, **node_args(*NODES[1]))
+        registered(on_ray.address, back)
+        assert job.result(timeout=300) == "1"
+    finally:
+        if back is None:  # the next tests need both nodes
+            registered(on_ray.address, on_ray.add_node(wait=False, **node_args(*NODES[1])))
+    first = job.attempts[0]
+    assert ip in first.cause and "lost" in first.cause, first.cause
+    assert first.verdict == "restarted (rule 'lost host')", first.verdict
+    assert len({job.state.ranks[r].host for r in range(2)}) == 2
+
+
+def parent_and_torch() -> tuple[int, bool]:
+    import os
+    import sys
+
+    return os.getppid(), "torch" in sys.modules
+
+
+def test_later_runs_fork_their_ranks_from_each_nodes_zygote(on_ray: Any) -> None:
+    """The first run on a node starts its rank fresh and leaves a zygote there (the executor
+    zygote's rules: ``rank/executor_zygote.py``); a later run's ranks are forked from it, one
+    zygote per node, with what the earlier run imported already loaded."""
+    from nbdist.rank.executor_zygote import COMMAND
+
+    from .conftest import stop_ray_zygotes
+
+    stop_ray_zygotes()  # the earlier tests' (other environments) fill the nodes' places
+    ray_backend.settings.strategy = "STRICT_SPREAD"  # one rank on each node
+    for _ in range(6):  # the first run leaves them; a zygote still importing is not waited for
+        job = nbdist.run(parent_and_torch, np=2, backend="ray", gpu=False, timeout=240)
+        results = job.results
+        if [r.start for r in job.state.ranks] == ["forked", "forked"]:
+            break
+    else:
+        whys = [(r.start, r.start_why) for r in job.state.ranks]
+        raise AssertionError(f"no run's ranks were forked: {whys}")
+    parents = {p for p, _ in results}
+    assert len(parents) == 2, "not one zygote per node"
+    for pid in parents:
+        assert COMMAND in " ".join(psutil.Process(pid).cmdline())
+    assert len({job.state.ranks[r].host for r in range(2)}) == 2
+    again = nbdist.run(parent_and_torch, np=2, backend="ray", gpu=False, timeout=240)
+    assert {p for p, _ in again.results} == parents, "the zygotes were not used again"
+    stop_ray_zygotes()
