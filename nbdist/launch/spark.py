@@ -645,6 +645,13 @@ class SparkLauncher:
         if culprit is not None and culprit != rank // self._per_task:
             # Spark stopped it with the failed stage
             return RankOutcome(rank, RankStatus.CANCELLED, lost_host=lost_host)
+        if not self.connect and (getattr(self._sc, "_jsc", None) is None
+                                 or "SparkContext was shut down" in str(error)):
+            # spark.stop() under the job: pyspark's own error may name only its internals
+            return RankOutcome(rank, RankStatus.FAILED, error={
+                "type": "SparkContextStopped", "traceback": "",
+                "message": "the SparkContext was stopped while its task ran (spark.stop(), or "
+                "the session ended): start a new session and run the cell again"})
         stage, cause = _spark_reason(error)
         if lost_host is not None:
             return RankOutcome(rank, RankStatus.FAILED, lost_host=lost_host, error={

@@ -275,3 +275,29 @@ def test_files_shipped_with_add_py_file_are_importable_on_ranks(
         return int(nbdist_shipped_helper.ANSWER)
 
     assert nbdist.run(use_helper, np=1).result(timeout=120) == 42
+
+
+def test_a_spark_context_stopped_mid_job_ends_the_job_naming_it(
+    spark_local: SparkSession, gate: Gate, sparks: Any, spark_mark: str,
+) -> None:
+    """``spark.stop()`` while a job's ranks run: the job ends, with an error that says the
+    SparkContext went, the ranks are gone, and a job on the next session runs."""
+    from nbdist.errors import DistributedError
+
+    from ..sparks import marked_rank_processes
+
+    job = nbdist.run(gate.wait, np=2, backend="spark", timeout=240)
+    try:
+        wait_for(lambda: job.state.status == state.RUNNING, 120, "the ranks to run")
+        spark_local.stop()
+        with pytest.raises(DistributedError) as caught:
+            job.result(timeout=180)
+        assert "SparkContextStopped: the SparkContext was stopped while its task ran" in \
+            str(caught.value), caught.value
+    finally:
+        gate.open()
+        sparks.stop_session()  # forget the stopped session: the next test gets a new one
+    wait_for(lambda: not marked_rank_processes(spark_mark), GONE_WITHIN_S * 3,
+             "the ranks of the stopped session to go")
+    sparks.local()
+    assert nbdist.run(os.getpid, np=2, backend="spark").results
