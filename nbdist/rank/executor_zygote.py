@@ -673,6 +673,8 @@ class _Server:
         # A TaskMsg, checked field by field as it is read: the peer is only known to be of
         # this uid until its hello proves it knows the secret.
         if not conn.authed:
+            if time.monotonic() - conn.accepted > AUTH_DEADLINE_S:
+                return False  # past its deadline, whatever it says (the timer may be behind)
             hello = cast(HelloMsg, msg)
             given = hello.get("mac")
             if hello.get("t") != "hello" or not isinstance(given, str) or not given.isascii() \
