@@ -222,8 +222,12 @@ def test_cancel_stops_only_this_job_and_every_rank(
     wait_for(lambda: running.state.ranks[0].last_line == "up", 120, "the rank to start")
     pid = running.state.ranks[0].pid
 
-    def stop_button() -> None:
-        os.kill(os.getpid(), signal.SIGINT)
+    pressed: list[bool] = []
+
+    def stop_button() -> None:  # pressed once: a second press during the teardown would cut
+        if not pressed:         # its wait short (the stop button pressed twice)
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(KeyboardInterrupt):
         running.wait(on_tick=stop_button)
