@@ -321,10 +321,21 @@ def _rebatch(slices: Iterator[pa.RecordBatch], size: int) -> Iterator[pa.RecordB
             held += take
             batch = batch.slice(take)
             if held == size:
-                yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
+                yield _joined(buf)
                 buf, held = [], 0
     if held:
-        yield buf[0] if len(buf) == 1 else pa.concat_batches(buf)
+        yield _joined(buf)
+
+
+def _joined(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One batch of ``batches``' rows. Through a table, not ``pa.concat_batches``: that came
+    with pyarrow 19, and Databricks' LTS runtimes have pyarrow 14 (the spark35 leg found it)."""
+    import pyarrow as pa
+
+    if len(batches) == 1:
+        return batches[0]
+    joined: list[pa.RecordBatch] = pa.Table.from_batches(batches).combine_chunks().to_batches()
+    return joined[0]
 
 
 # -- the entry point -----------------------------------------------------------------------------
