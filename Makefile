@@ -8,18 +8,21 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup quickstart test check lint system-deps bench matrix
+.PHONY: setup quickstart test coverage check lint system-deps bench matrix
 
 setup: $(VENV)/.installed
 
 # torch is pinned for development only (.ci/constraints.txt): any other version or range makes
-# pip download a multi-GB CUDA build on this kind of machine. The tf and jax extras (the Keras
-# tests and notebook) add about two minutes; they leave torch and numpy as they are.
+# pip download a multi-GB CUDA build on this kind of machine. uv installs (43 s here from an
+# empty cache, where pip took 4 min); it is told where pip finds local wheels (PIP_FIND_LINKS:
+# torch's CPU build on this kind of machine). The tf and jax extras (the Keras tests and
+# notebook) leave torch and numpy as they are.
+EXTRAS := dev,torch,spark,connect,tf,jax,mlflow,data,ray
+UV      = $(VENV)/bin/uv pip install --quiet --python $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c .ci/constraints.txt torch
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,connect,tf,jax,mlflow,data,ray]'
+	$(PY) -m pip install --quiet uv
+	$(UV) -c .ci/constraints.txt torch -e '.[$(EXTRAS)]'
 	touch $@
 
 quickstart: setup
@@ -41,39 +44,49 @@ system-deps:
 check: lint
 	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
-# The whole suite under coverage, measured in the ranks, zygotes, kernels and Spark workers the
-# tests start too ([tool.coverage.run] in pyproject.toml), in WORKERS pytest-xdist workers: most
-# of the suite waits on ranks, kernels and JVMs. What only one process may hold (Spark, Ray, the
-# multi-host tests' hosts, the browser) runs in one worker each (tests/conftest.py, XDIST_GROUPS).
-# The Ray tests (marker `ray`) run after the workers, alone: Ray 2.60's raylet gives its
-# dashboard agent a fixed 15 s to start and aborts past it, which the workers' load exceeded in a
-# fresh clone's run (every Ray test errored at the cluster's start; docs/ray.md).
-# The version matrix (.ci/matrix) runs after it (beside it, its environments' installs and
-# tests slowed the set-ups the groups make at the start: the multi-host hosts' cluster and
-# JupyterLab missed their deadlines in a fresh clone's run); its summary and the coverage
-# report end the output, whether the tests passed or not; .coverage stays for `.venv/bin/coverage html`. A
-# process killed while it was creating its data file (the fault tests kill ranks) leaves it
-# empty: dropped. 4 workers: the three groups that take minutes (Spark, the multi-host hosts,
-# the browser) each hold one from the start, so 3 left the other tests waiting behind them.
+# The whole suite in WORKERS pytest-xdist workers (most of it waits on ranks, kernels and JVMs).
+# What only one process may hold (Spark, Ray, the multi-host tests' hosts, the browser) runs in
+# one worker each (tests/conftest.py, XDIST_GROUPS); 4 workers: the groups that take minutes
+# each hold one from the start. Meanwhile the version matrix's environments are made (.ci/matrix
+# --prepare: mostly downloads). After the workers: the Ray tests (marker `ray`), alone until
+# their cluster is up (Ray 2.60's raylet gives its dashboard agent a fixed wait that the
+# workers' load exceeded: every Ray test errored at the cluster's start; docs/ray.md), then the
+# matrix's legs beside them. Their output ends make test's, whether the tests passed or not.
+# Coverage is not measured here: measured in every rank, zygote and kernel it took 1.7 times
+# the CPU on 2 cores, which CI's budget cannot hold; `make coverage` measures it.
 WORKERS ?= 4
+RUN_TESTS = SPARK_LOCAL_IP=127.0.0.1 $(1) -m pytest -n $(WORKERS) --dist loadgroup -m "not ray" \
+	  --file-durations; status=$$?; \
+	rm -f build/ray-up; NBDIST_RAY_UP=$(CURDIR)/build/ray-up $(1) -m pytest -m ray tests/ray \
+	  > build/ray.out 2>&1 & ray=$$!
 test: setup system-deps lint
+	@mkdir -p build; .ci/matrix --prepare > build/matrix-prepare.out 2>&1 & prepare=$$!; \
+	$(call RUN_TESTS,$(PY)); \
+	while [ ! -e build/ray-up ] && kill -0 $$ray 2>/dev/null; do sleep 1; done; \
+	wait $$prepare || cat build/matrix-prepare.out; \
+	.ci/matrix > build/matrix.out 2>&1 || status=1; \
+	wait $$ray || status=1; cat build/ray.out build/matrix.out; exit $$status
+
+# The same suite (without the matrix) with coverage measured in every process the tests start:
+# ranks (fresh interpreters, or forks of a zygote), zygotes, kernels, Spark's Python workers
+# ([tool.coverage.run] in pyproject.toml). A process killed while it was creating its data file
+# (the fault tests kill ranks) leaves it empty: dropped. .coverage stays for
+# `.venv/bin/coverage html`.
+coverage: setup system-deps
 	rm -f .coverage .coverage.*
-	@mkdir -p build; \
-	SPARK_LOCAL_IP=127.0.0.1 $(VENV)/bin/coverage run -m pytest -n $(WORKERS) --dist loadgroup \
-	  -m "not ray" --file-durations; status=$$?; \
-	$(VENV)/bin/coverage run -m pytest -m ray tests/ray || status=1; \
+	@mkdir -p build; $(call RUN_TESTS,$(VENV)/bin/coverage run); \
+	wait $$ray || status=1; cat build/ray.out; \
 	find . -maxdepth 1 -name '.coverage.*' -empty -delete; \
-	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; \
-	.ci/matrix > build/matrix.out 2>&1 || status=1; cat build/matrix.out; exit $$status
+	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; exit $$status
 
 # The version matrix alone (docs/developing.md): a fast subset on Python 3.10 (ipykernel 6,
-# IPython 8), 3.12 (ipywidgets 7) and 3.13; `make matrix LEGS=spark35` runs the Spark tests
-# with pyspark 3.5 (not yet in `make test`: docs/developing.md says why).
+# IPython 8), 3.12 (ipywidgets 7) and 3.13, and the Spark tests with pyspark 3.5; `make matrix
+# LEGS=spark35` runs one leg.
 LEGS ?=
-matrix: system-deps
+matrix: setup system-deps
 	.ci/matrix $(LEGS)
 
 # Benchmarks (not part of the tests): every contender in the same run, medians and ratios.
 bench: setup system-deps
-	$(PY) -m pip install --quiet -c .ci/constraints.txt -e '.[dev,torch,spark,connect,tf,jax,bench]'
+	$(UV) -c .ci/constraints.txt -e '.[$(EXTRAS),bench]'
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run.py

@@ -127,6 +127,15 @@ def stop_cluster(started: list[Any]) -> None:
         cluster.shutdown()
 
 
+def signal_up() -> None:
+    """Write the file ``NBDIST_RAY_UP`` names, if any, once the cluster is up: ``make test``
+    starts the version matrix's legs only then, because Ray's raylet gives its agents a fixed
+    wait that a loaded machine exceeds (docs/developing.md)."""
+    path = os.environ.get("NBDIST_RAY_UP")
+    if path:
+        Path(path).write_text(f"{os.getpid()}\n")
+
+
 @pytest.fixture(scope="package")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The package's two-node Ray cluster, with this process connected as its driver; pytest
@@ -143,6 +152,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         except Exception as exc:
             pytest.fail(f"the Ray test cluster could not start ({type(exc).__name__}: {exc}); "
                         f"the raylets said:\n{raylet_said(root)}", pytrace=False)
+        signal_up()
         yield started[0]
     finally:
         stop_cluster(started)
