@@ -310,8 +310,6 @@ class Shard:
 
 def _rebatch(slices: Iterator[pa.RecordBatch], size: int) -> Iterator[pa.RecordBatch]:
     """Slices cut and joined into batches of ``size`` rows (the last may be shorter)."""
-    import pyarrow as pa
-
     buf: list[pa.RecordBatch] = []
     held = 0
     for batch in slices:
