@@ -15,10 +15,14 @@ setup: $(VENV)/.installed
 # torch is pinned for development only (.ci/constraints.txt): any other version or range makes
 # pip download a multi-GB CUDA build on this kind of machine. uv installs (43 s here from an
 # empty cache, where pip took 4 min); it is told where pip finds local wheels (PIP_FIND_LINKS:
-# torch's CPU build on this kind of machine). The tf and jax extras (the Keras tests and
-# notebook) leave torch and numpy as they are.
+# torch's CPU build on this kind of machine), and compiles the bytecode as pip does: where
+# PYTHONDONTWRITEBYTECODE is set (this kind of machine sets it), an environment without it
+# compiles torch's sources again in every rank, kernel and worker (a fresh clone's suite ran
+# at half its speed). The tf and jax extras (the Keras tests and notebook) leave torch and
+# numpy as they are.
 EXTRAS := dev,torch,spark,connect,tf,jax,mlflow,data,ray
-UV      = $(VENV)/bin/uv pip install --quiet --python $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+UV      = $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) \
+	  $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv

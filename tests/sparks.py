@@ -56,14 +56,15 @@ _COMMON_CONF = {
 }
 
 
-def marked_rank_processes(mark: str) -> list[psutil.Process]:
-    """Rank interpreters (and what they started) of this test session, anywhere on the machine."""
+def marked_rank_processes(mark: str, variable: str = MARK) -> list[psutil.Process]:
+    """Rank interpreters (and what they started) of this test session, anywhere on the machine:
+    those whose environment has ``variable`` set to ``mark`` (Spark's, or Ray's)."""
     from .helpers import is_rank
 
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get(MARK) != mark:
+            if proc.status() == psutil.STATUS_ZOMBIE or proc.environ().get(variable) != mark:
                 continue
             if is_rank(proc) or any(is_rank(p) for p in proc.parents()):
                 found.append(proc)

@@ -22,6 +22,7 @@ import os
 import socket
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import pytest
 from nbdist.launch import ray as ray_backend
 
 from ..helpers import none_left, rank_processes, wait_for
+from ..sparks import marked_rank_processes
 
 ray = pytest.importorskip("ray")
 
@@ -45,6 +47,18 @@ NODES = ((HEAD_IP, 4, 2), ("127.0.0.2" if HEAD_IP != "127.0.0.2" else "127.0.0.3
 START_DEADLINE_S = 240.0
 #: A Unix socket's path must fit in 108 bytes: Ray's longest under its temporary folder.
 _SOCKET_TAIL = "/ray/session_2026-01-01_00-00-00_000000_1234567/sockets/plasma_store.1"
+
+
+#: Every process of the cluster inherits ``MARK=RUN_MARK`` (its raylets, Ray's workers, the
+#: ranks, the zygotes they leave and the ranks forked from them, which are not this process's
+#: descendants): :func:`ray_ranks` finds them anywhere, and no other run's.
+MARK = "NBDIST_RAY_TEST_MARK"
+RUN_MARK = uuid.uuid4().hex
+
+
+def ray_ranks() -> list[psutil.Process]:
+    """The rank processes of this run's Ray cluster (and what they started), wherever they are."""
+    return marked_rank_processes(RUN_MARK, MARK)
 
 
 def free_port() -> int:
@@ -142,9 +156,10 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     keeps a failed start's error for the package's other tests (one try per run)."""
     root = ray_tmpdir(tmp_path_factory)
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED",
-                                              "RAY_agent_register_timeout_ms")}
+                                              "RAY_agent_register_timeout_ms", MARK)}
     os.environ.update({"RAY_TMPDIR": str(root), "RAY_USAGE_STATS_ENABLED": "0",
-                       "RAY_agent_register_timeout_ms": str(int(START_DEADLINE_S * 1000))})
+                       "RAY_agent_register_timeout_ms": str(int(START_DEADLINE_S * 1000)),
+                       MARK: RUN_MARK})
     started: list[Any] = []
     try:
         try:
@@ -194,12 +209,14 @@ def groups_left() -> list[str]:
             if g["name"].startswith("nbdist-") and g["state"] != "REMOVED"]
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def no_leftover_ray() -> Iterator[None]:
-    """After a Ray test: no rank, no nbdist actor and no nbdist placement group is left (10 s).
-    Ray's own processes (raylets, idle workers) rightly outlive a test."""
+    """After each Ray test: no rank (also none forked from a node's zygote, which is not this
+    process's descendant), no nbdist actor and no nbdist placement group is left (10 s). Ray's
+    own processes (raylets, idle workers) and the nodes' idle zygotes rightly outlive a test."""
     yield
     none_left(rank_processes)
+    none_left(ray_ranks, what="rank processes of the Ray cluster left running after the test")
     none_left(rank_hosts, what="nbdist's Ray actors left running after the test")
     if not ray.is_initialized():  # the cluster did not start: nothing of a job to look for
         return
