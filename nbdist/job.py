@@ -78,8 +78,10 @@ PING_S = state.HEARTBEAT_S
 STACKS_TAIL_LINES = 5
 #: What a rank's pdb asks with; the notebook's prompt says which rank asks.
 PDB_PROMPT = "(Pdb) "
-#: How long a timeout or a cancel waits for the ranks' stacks before it stops them.
-FORENSICS_S = 2.5
+#: How long a timeout or a cancel waits for the ranks' stacks before it stops them: ranks that
+#: answer end the wait at once (tens of ms); 2.5 s was too short on a machine loaded 8 times
+#: over (a fresh clone's CI run: a timed-out job came back without its stacks).
+FORENSICS_S = 5.0
 #: Kinds of event that only feed the job's state (output also its log files): a write made of
 #: these is folded at once (``Job.on_events``).
 _FOLDED = frozenset({"out", "progress", "metrics", "res", "hb"})
