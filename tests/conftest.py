@@ -19,6 +19,11 @@ from .helpers import GONE_WITHIN_S, Gate
 # A zygote started at every %load_ext (the session's shell, every real kernel) would cost each
 # of those tests an import of torch; tests/test_warm_at_load.py turns it on where it is tested.
 os.environ.setdefault("NBDIST_WARM_AT_LOAD", "0")
+# Every JVM the tests start (Spark's driver, master, workers, executors, Connect server) lives
+# for a few small jobs: C2's compiler threads and the parallel collector are most of what it
+# costs beyond that on 2 cores. C1 and the serial collector: tests/spark/test_standalone.py took
+# 93 s of CPU instead of 133 (docs/developing.md). JVMs print that they picked it up, on stderr.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 from .sparks import (  # noqa: F401  (fixtures, shared by tests/spark and tests/faults)
     CLUSTER_FIXTURES,
     no_leftover_spark_ranks,
