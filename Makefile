@@ -48,28 +48,15 @@ system-deps:
 check: lint
 	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
-# The whole suite in WORKERS pytest-xdist workers (most of it waits on ranks, kernels and JVMs).
-# What only one process may hold (Spark, Ray, the multi-host tests' hosts, the browser) runs in
-# one worker each (tests/conftest.py, XDIST_GROUPS); 4 workers: the groups that take minutes
-# each hold one from the start. Meanwhile the version matrix's environments are made (.ci/matrix
-# --prepare: mostly downloads). After the workers: the Ray tests (marker `ray`), alone until
-# their cluster is up (Ray 2.60's raylet gives its dashboard agent a fixed wait that the
-# workers' load exceeded: every Ray test errored at the cluster's start; docs/ray.md), then the
-# matrix's legs beside them. Their output ends make test's, whether the tests passed or not.
-# Coverage is not measured here: measured in every rank, zygote and kernel it took 1.7 times
-# the CPU on 2 cores, which CI's budget cannot hold; `make coverage` measures it.
+# The whole suite in WORKERS pytest-xdist workers (4; most of it waits on ranks, kernels and
+# JVMs), the Ray tests and the version matrix beside it, lint too: .ci/suite says in what order
+# (the Ray tests first, alone until their cluster is up). What only one process may hold (Spark,
+# Ray, the multi-host tests' hosts, the browser) runs in one worker each (tests/conftest.py,
+# XDIST_GROUPS). Coverage is not measured here: measured in every rank, zygote and kernel it
+# took 1.7 times the CPU on 2 cores, which CI's budget cannot hold; `make coverage` measures it.
 WORKERS ?= 4
-RUN_TESTS = SPARK_LOCAL_IP=127.0.0.1 $(1) -m pytest -n $(WORKERS) --dist loadgroup -m "not ray" \
-	  --file-durations; status=$$?; \
-	rm -f build/ray-up; NBDIST_RAY_UP=$(CURDIR)/build/ray-up $(1) -m pytest -m ray tests/ray \
-	  > build/ray.out 2>&1 & ray=$$!
-test: setup system-deps lint
-	@mkdir -p build; .ci/matrix --prepare > build/matrix-prepare.out 2>&1 & prepare=$$!; \
-	$(call RUN_TESTS,$(PY)); \
-	while [ ! -e build/ray-up ] && kill -0 $$ray 2>/dev/null; do sleep 1; done; \
-	wait $$prepare || cat build/matrix-prepare.out; \
-	.ci/matrix > build/matrix.out 2>&1 || status=1; \
-	wait $$ray || status=1; cat build/ray.out build/matrix.out; exit $$status
+test: setup system-deps
+	@WORKERS=$(WORKERS) PY=$(PY) .ci/suite
 
 # The same suite (without the matrix) with coverage measured in every process the tests start:
 # ranks (fresh interpreters, or forks of a zygote), zygotes, kernels, Spark's Python workers
@@ -78,8 +65,7 @@ test: setup system-deps lint
 # `.venv/bin/coverage html`.
 coverage: setup system-deps
 	rm -f .coverage .coverage.*
-	@mkdir -p build; $(call RUN_TESTS,$(VENV)/bin/coverage run); \
-	wait $$ray || status=1; cat build/ray.out; \
+	@WORKERS=$(WORKERS) PY=$(PY) .ci/suite --coverage; status=$$?; \
 	find . -maxdepth 1 -name '.coverage.*' -empty -delete; \
 	$(VENV)/bin/coverage combine --quiet && $(VENV)/bin/coverage report; exit $$status
 
