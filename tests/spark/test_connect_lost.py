@@ -7,7 +7,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,9 +88,7 @@ def test_a_killed_connect_server_ends_its_jobs_and_names_it(
                              for r in job.state.ranks), 240, "every rank running")
         os.killpg(doomed.proc.pid, signal.SIGKILL)
         doomed.proc.wait(30)
-        killed = time.monotonic()
         assert watched.wait(60), "the job did not end after its Connect server was killed"
-        assert time.monotonic() - killed < 60
         with pytest.raises(DistributedError, match=f"Spark Connect server at 127.0.0.1:"
                                                    f"{doomed.port} is gone"):
             watched.result(0)
@@ -101,8 +98,8 @@ def test_a_killed_connect_server_ends_its_jobs_and_names_it(
             unwatched.result(0)
     finally:
         gate.open()
-    started = time.monotonic()
+    refused = nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=60)
     with pytest.raises(CapacityError, match="is gone .*-np -N"):
-        nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=60).result(60)
-    assert time.monotonic() - started < 30
+        refused.result(60)
+    assert all(r.lines == 0 for r in refused.state.ranks)  # refused before any rank ran
     assert nbdist.run(_wait_at, gate, np=1, backend="local", gpu=False).result(60) == 1
