@@ -8,6 +8,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
+# Python writes the bytecode of what it imports, once, as on any machine: this kind of machine
+# sets PYTHONDONTWRITEBYTECODE, and every rank, kernel and worker compiled torch's sources
+# again (a fresh clone's suite ran at half its speed). Compiling all of it at install instead
+# (uv's --compile-bytecode, pip's default) took 4 minutes of CPU for 25,000 files, most of them
+# never imported by a test (docs/developing.md).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: setup quickstart test coverage check lint system-deps bench matrix
 
 setup: $(VENV)/.installed
@@ -15,18 +22,16 @@ setup: $(VENV)/.installed
 # torch is pinned for development only (.ci/constraints.txt): any other version or range makes
 # pip download a multi-GB CUDA build on this kind of machine. uv installs (43 s here from an
 # empty cache, where pip took 4 min); it is told where pip finds local wheels (PIP_FIND_LINKS:
-# torch's CPU build on this kind of machine), and compiles the bytecode as pip does: where
-# PYTHONDONTWRITEBYTECODE is set (this kind of machine sets it), an environment without it
-# compiles torch's sources again in every rank, kernel and worker (a fresh clone's suite ran
-# at half its speed). The tf and jax extras (the Keras tests and notebook) leave torch and
-# numpy as they are.
+# torch's CPU build on this kind of machine). The tf and jax extras (the Keras tests and
+# notebook) leave torch and numpy as they are.
 EXTRAS := dev,torch,spark,connect,tf,jax,mlflow,data,ray
-UV      = $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) \
+UV      = $(VENV)/bin/uv pip install --quiet --python $(PY) \
 	  $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet uv
 	$(UV) -c .ci/constraints.txt torch -e '.[$(EXTRAS)]'
+	.ci/bytecode $(PY)
 	touch $@
 
 quickstart: setup
@@ -48,13 +53,15 @@ system-deps:
 check: lint
 	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
-# The whole suite in WORKERS pytest-xdist workers (4; most of it waits on ranks, kernels and
-# JVMs), the Ray tests and the version matrix beside it, lint too: .ci/suite says in what order
-# (the Ray tests first, alone until their cluster is up). What only one process may hold (Spark,
-# Ray, the multi-host tests' hosts, the browser) runs in one worker each (tests/conftest.py,
-# XDIST_GROUPS). Coverage is not measured here: measured in every rank, zygote and kernel it
-# took 1.7 times the CPU on 2 cores, which CI's budget cannot hold; `make coverage` measures it.
-WORKERS ?= 4
+# The whole suite in WORKERS pytest-xdist workers (6: one for each of the five groups below and
+# one for the rest, which the others join as their groups end; most of it waits on ranks,
+# kernels and JVMs), the Ray tests and the version matrix beside it, lint too: .ci/suite says
+# in what order (the Ray tests first, alone until their cluster is up). What only one process
+# may hold (Spark, Ray, the multi-host tests' hosts, the browser) runs in one worker each
+# (tests/conftest.py, XDIST_GROUPS). Coverage is not measured here: measured in every rank,
+# zygote and kernel it took 1.7 times the CPU on 2 cores, which CI's budget cannot hold;
+# `make coverage` measures it.
+WORKERS ?= 6
 test: setup system-deps
 	@WORKERS=$(WORKERS) PY=$(PY) .ci/suite
 
