@@ -37,6 +37,12 @@ from ..sparks import marked_rank_processes
 
 ray = pytest.importorskip("ray")
 
+# The tests' clusters are this run's own, on loopback and network namespaces: no token
+# authentication. Left unset, Ray 2.60 turns it on for every `ray start` once a token file
+# exists in ~/.ray (which any local `ray.init()` on the machine writes), and the multi-host
+# test's driver, started without it, was refused by its head's GCS (InvalidAuthToken).
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
 #: The head's address: this machine's, as Ray finds it. Ray connects to 127.0.0.1 through that
 #: address (``resolve_ip_for_localhost``), so a head on 127.0.0.1 cannot be reached.
 HEAD_IP = str(ray.util.get_node_ip_address())
