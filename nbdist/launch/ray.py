@@ -1,19 +1,28 @@
-"""The Ray backend: a placement group is the gang, an actor per bundle runs its ranks.
+"""The Ray backend: a placement group is the gang, a task per bundle runs its ranks.
 
 The driver side (:class:`RayLauncher`) reserves one placement group for the job, all of it or
 nothing (Ray's gang scheduling): one bundle of one GPU (and a CPU) per rank with ``--gpu``, one
 bundle of a CPU per rank without, or, for node-level launch (``ray_gpus_per_bundle = k``),
 bundles of k GPUs that run k ranks each. A group that cannot be placed within
 ``placement_wait`` seconds is removed and the job fails with a :class:`CapacityError` naming
-what is missing. Then one actor per bundle (``rank/ray_host.py``) runs its ranks under the same
-supervisor as local ranks and Spark barrier tasks: the rendezvous and the live output go over
-nbdist's own event channel, ranks on one node are numbered together (LOCAL_RANK, NODE_RANK from
-where the bundles landed), and each rank gets the GPUs Ray assigned its actor.
+what is missing. Then one Ray task per bundle (``rank/ray_host.py``), scheduled into its bundle,
+runs the bundle's ranks under the same supervisor as local ranks and Spark barrier tasks: the
+rendezvous and the live output go over nbdist's own event channel, ranks on one node are
+numbered together (LOCAL_RANK, NODE_RANK from where the bundles landed), and each rank gets the
+GPUs Ray assigned its task.
 
-Stopping: the job tells every supervisor to stop its rank; actors that have not returned after
-``CANCEL_GRACE_S`` are killed. Whatever way the job ends, its actors are killed and its group
-removed: nothing of the job stays on any node. An actor that dies (its node lost, its worker
-killed) fails its ranks as a lost host, which ``--max-restarts`` restarts.
+Why tasks, not actors: a task runs in one of Ray's pooled worker processes, which Ray keeps,
+idle, once the task returns (``max_calls=0``: Ray would otherwise end a GPU task's worker after
+each call), and gives to the next task of this driver. A later job's tasks so start in warm
+workers, in the same environment (so the node's zygote is theirs), where an actor's worker
+goes with the actor and each job waited for Ray to start new ones (seconds: ``import ray``).
+What stays between jobs is only that: idle workers hold no resources, the group is the job's.
+
+Stopping: the job tells every supervisor to stop its rank; tasks that have not returned after
+``CANCEL_GRACE_S`` are force-cancelled (``ray.cancel(force=True)``: Ray kills their workers,
+and the ranks with them). Whatever way the job ends, its group is removed: nothing of the job
+stays on any node. A task whose worker or node died fails its ranks as a lost host, which
+``--max-restarts`` restarts (``max_retries=0``: Ray never runs a bundle's ranks again itself).
 
 Ray is imported lazily: this module is only imported when Ray is used.
 """
@@ -36,7 +45,7 @@ from nbdist.launch import Capacity, gpus_text, no_gpu_hint
 from nbdist.protocol import DriverEvent, LaunchRequest, RankOutcome, RankStatus
 
 #: After a cancel, how long the supervisors get to stop their ranks and return (which keeps
-#: every rank's outcome) before the actors are killed; within the contract's 10 s.
+#: every rank's outcome) before the tasks are force-cancelled; within the contract's 10 s.
 CANCEL_GRACE_S = 4.0
 #: Ray's placement strategies (``ray_strategy``).
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -189,8 +198,27 @@ def _shape_text(shape: dict[str, float]) -> str:
     return "{" + ", ".join(f"{r}: {n:g}" for r, n in shape.items()) + "}"
 
 
+_task: Any = None
+_task_lock = threading.Lock()
+
+
+def host_task(ray: Any) -> Any:
+    """The remote function of a bundle's ranks (``rank/ray_host.py``), made once: Ray
+    exports it again by itself for each Ray job. ``max_calls=0``: the worker is kept for the
+    next job (Ray's default for a GPU task is 1, a worker per call; the task never touches
+    CUDA itself, its ranks are processes of their own); ``max_retries=0``: a lost worker is
+    a lost host for ``--max-restarts``, never a silent second run of the ranks."""
+    global _task
+    with _task_lock:
+        if _task is None:
+            from nbdist.rank.ray_host import host_ranks
+
+            _task = ray.remote(max_calls=0, max_retries=0)(host_ranks)
+        return _task
+
+
 class RayLauncher:
-    """Ranks as the actors of one placement group; see the module docstring."""
+    """Ranks as the tasks of one placement group; see the module docstring."""
 
     name = "ray"
     remote = True
@@ -199,9 +227,9 @@ class RayLauncher:
         self._ray = connected_ray()
         self._lock = threading.Lock()
         self._pg: Any = None
-        self._actors: list[Any] = []
+        self._tasks: list[Any] = []  # the refs of the tasks that have not returned
         self._cancelled = False
-        self._killed = False  # the actors were killed by us: their ranks were cancelled
+        self._killed = False  # the tasks were force-cancelled by us: their ranks were cancelled
         self._finished = threading.Event()
         self._released = False
 
@@ -309,22 +337,21 @@ class RayLauncher:
             order, hosts = self._bundle_order(pg, bundles)
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            from nbdist.rank.ray_host import RankHost
+            from nbdist.rank.ray_host import TASK_NAME
 
-            actor_class = ray.remote(RankHost)
+            task = host_task(ray)
             fields, warm = request.fields(), self._warmth()
             refs: dict[Any, tuple[list[int], str]] = {}
             for position, bundle in enumerate(order):
                 ranks = list(range(position * k, position * k + k))
-                actor = actor_class.options(
-                    num_cpus=shape.get("CPU", 0), num_gpus=shape.get("GPU", 0), max_restarts=0,
-                    name=None, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                ref = task.options(
+                    num_cpus=shape.get("CPU", 0), num_gpus=shape.get("GPU", 0),
+                    name=TASK_NAME, scheduling_strategy=PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=bundle),
-                ).remote()
+                ).remote(ranks, fields, __version__, warm)
                 with self._lock:
-                    self._actors.append(actor)
-                refs[actor.run.remote(ranks, fields, __version__, warm)] = (
-                    ranks, hosts[bundle])
+                    self._tasks.append(ref)
+                refs[ref] = (ranks, hosts[bundle])
         except BaseException:  # nothing of a job that did not start is left on the nodes
             self._release()
             raise
@@ -337,7 +364,7 @@ class RayLauncher:
             self.cancel()
 
     def _warmth(self) -> tuple[str, str, float] | None:
-        """What the actors need for their nodes' zygotes (``launch.warmth``, as on Spark's
+        """What the tasks need for their nodes' zygotes (``launch.warmth``, as on Spark's
         executors), for this Ray job."""
         return launch.warmth("ray-" + str(self._ray.get_runtime_context().get_job_id()))
 
@@ -364,6 +391,8 @@ class RayLauncher:
         try:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
+                with self._lock:
+                    self._tasks = [ref for ref in self._tasks if ref not in done]
                 if not pending:  # the job ends with these outcomes: nothing of it stays after
                     self._finished.set()
                     self._release()
@@ -371,7 +400,7 @@ class RayLauncher:
                     ranks, node = refs[ref]
                     try:
                         rows = ray.get(ref)
-                    except Exception as exc:  # the actor died: its node, its worker, a kill
+                    except Exception as exc:  # its worker died: its node, a kill, a cancel
                         for rank in ranks:
                             on_outcome(self._lost(rank, node, exc))
                         continue
@@ -382,22 +411,22 @@ class RayLauncher:
             self._release()
 
     def _lost(self, rank: int, node: str, error: BaseException) -> RankOutcome:
-        """The outcome of a rank whose actor ended without returning."""
+        """The outcome of a rank whose task ended without returning."""
         if self._killed:
             return RankOutcome(rank, RankStatus.CANCELLED)
         first = str(error).strip().splitlines()
         cause = f"{type(error).__name__}: {first[0] if first else ''}"[:1000]
         return RankOutcome(rank, RankStatus.FAILED, lost_host=node, error={
-            "type": "RayActorDied",
-            "message": f"its Ray actor on node {node} died: {cause}",
-            "traceback": f"rank {rank}'s Ray actor on node {node} died: {cause}\n",
+            "type": "RayWorkerDied",
+            "message": f"its Ray task's worker on node {node} died: {cause}",
+            "traceback": f"rank {rank}'s Ray task's worker on node {node} died: {cause}\n",
         })
 
     def deliver(self, rank: int, event: DriverEvent) -> bool:
-        return False  # the supervisors run in the actors: the event channel it is
+        return False  # the supervisors run in the tasks: the event channel it is
 
     def cancel(self) -> None:
-        """Stop the ranks: the supervisors first (the job has told them), then the actors."""
+        """Stop the ranks: the supervisors first (the job has told them), then the tasks."""
         with self._lock:
             if self._cancelled:
                 return
@@ -414,14 +443,15 @@ class RayLauncher:
         self._release()
 
     def _release(self) -> None:
-        """Kill the job's actors and remove its placement group (idempotent)."""
+        """Force-cancel the job's tasks that have not returned and remove its placement group
+        (idempotent). A task that returned left its worker idle in Ray's pool: kept."""
         with self._lock:
-            actors, self._actors = self._actors, []
+            tasks, self._tasks = self._tasks, []
             pg, self._pg = self._pg, None
-        for actor in actors:
+        for ref in tasks:
             try:
-                self._ray.kill(actor, no_restart=True)
-            except Exception:  # gone already, or Ray is shut down
+                self._ray.cancel(ref, force=True)
+            except Exception:  # returned already, or Ray is shut down
                 pass
         if pg is not None:
             try:
@@ -443,7 +473,7 @@ _live: set[RayLauncher] = set()
 
 
 def shutdown() -> None:
-    """``%unload_ext nbdist`` and the kernel's end: every job's actors and groups go."""
+    """``%unload_ext nbdist`` and the kernel's end: every job's tasks and groups go."""
     for launcher in list(_live):
         launcher._killed = True
         launcher._release()

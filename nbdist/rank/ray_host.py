@@ -1,8 +1,13 @@
-"""A Ray actor's side of a job: one actor per bundle of the job's placement group runs the
+"""A Ray task's side of a job: one task per bundle of the job's placement group runs the
 bundle's ranks, each under the same supervisor that local ranks and Spark barrier tasks use
-(``rank/supervisor.py``), with the GPUs Ray gave the actor and its node's address. The actor
-is created by the kernel's Ray backend (``launch/ray.py``); Ray imports this module by name on
-the node, so nbdist must be installed there.
+(``rank/supervisor.py``), with the GPUs Ray gave the task and its node's address. The task is
+submitted by the kernel's Ray backend (``launch/ray.py``) as :data:`TASK_NAME`; Ray imports
+this module by name on the node, so nbdist must be installed there.
+
+The task's process is one of Ray's pooled workers: it stays, idle, when the task returns, and
+a later job of the same driver runs its task there again (no new worker process to start, and
+the same environment, so the same node zygote). So nothing here may leave state behind in the
+worker: no change to ``os.environ``, no CUDA, no thread that outlives :func:`host_ranks`.
 """
 
 from __future__ import annotations
@@ -16,60 +21,61 @@ from typing import Any
 
 from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
 
+#: The task's name in Ray (its worker's process title while it runs: ``ray::RankHost``).
+TASK_NAME = "RankHost"
 
-class RankHost:
-    """The actor of one bundle: :meth:`where` says where Ray placed it, :meth:`run` runs its
-    ranks to their end and returns their outcomes as plain fields (``RankOutcome.fields``)."""
 
-    def where(self) -> dict[str, Any]:
-        """The node's address and id, and the GPUs Ray assigned this actor."""
-        import ray
+def where() -> dict[str, Any]:
+    """The node's address and id, the GPUs Ray assigned this task and the worker's pid."""
+    import ray
 
-        host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-        node = ray.get_runtime_context().get_node_id()
-        # As the driver names the node (``RayLauncher``): a lost node's ranks are found by it.
-        return {"host": host, "node": f"{host} ({node[:12]})",
-                "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+    host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    node = ray.get_runtime_context().get_node_id()
+    # As the driver names the node (``RayLauncher``): a lost node's ranks are found by it.
+    return {"host": host, "node": f"{host} ({node[:12]})",
+            "gpus": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
-    def run(self, ranks: list[int], request: dict[str, Any], version: str,
-            warm: tuple[str, str, float] | None = None) -> list[tuple[int, dict[str, Any]]]:
-        """Run ``ranks`` (one per GPU of the actor with ``--gpu``, in the order Ray lists
-        them), side by side; their outcomes in the order given. ``warm``: the Ray job's id,
-        secret and idle time, for the node's zygote (``rank/executor_zygote.py``)."""
-        scheduled = time.time()
-        from nbdist._version import __version__
 
-        if __version__ != version:
-            return _all_failed(ranks, "ImportError", (
-                f"the notebook has nbdist {version} but the Ray node's Python "
-                f"({sys.executable}) has nbdist {__version__}: install the same "
-                f"version on both"))
-        launch = LaunchRequest(**request)
-        where = self.where()
-        gpus: list[str] = where["gpus"] if launch.gpu else []
-        if launch.gpu and len(gpus) < len(ranks):
-            return _all_failed(ranks, "LaunchError", (
-                f"the Ray actor of ranks {ranks} was given {len(gpus)} GPUs ({gpus}) for "
-                f"{len(ranks)} ranks"))
-        outcomes: dict[int, dict[str, Any]] = {}
+def host_ranks(ranks: list[int], request: dict[str, Any], version: str,
+               warm: tuple[str, str, float] | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """The task of one bundle: run ``ranks`` (one per GPU of the task with ``--gpu``, in the
+    order Ray lists them), side by side, to their end; their outcomes as plain fields
+    (``RankOutcome.fields``) in the order given. ``warm``: the Ray job's id, secret and idle
+    time, for the node's zygote (``rank/executor_zygote.py``)."""
+    scheduled = time.time()
+    from nbdist._version import __version__
 
-        def one(j: int, rank: int) -> None:
-            try:
-                outcomes[rank] = run_rank(launch, rank, where["host"], where["node"],
-                                          (gpus[j],) if gpus else (), scheduled, warm)
-            except BaseException as exc:  # every rank must end with an outcome
-                outcomes[rank] = RankOutcome(rank, RankStatus.FAILED, error={
-                    "type": type(exc).__name__, "traceback": traceback.format_exc(),
-                    "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
-                }).fields()
+    if __version__ != version:
+        return _all_failed(ranks, "ImportError", (
+            f"the notebook has nbdist {version} but the Ray node's Python "
+            f"({sys.executable}) has nbdist {__version__}: install the same "
+            f"version on both"))
+    launch = LaunchRequest(**request)
+    here = where()
+    gpus: list[str] = here["gpus"] if launch.gpu else []
+    if launch.gpu and len(gpus) < len(ranks):
+        return _all_failed(ranks, "LaunchError", (
+            f"the Ray task of ranks {ranks} was given {len(gpus)} GPUs ({gpus}) for "
+            f"{len(ranks)} ranks"))
+    outcomes: dict[int, dict[str, Any]] = {}
 
-        threads = [threading.Thread(target=one, args=(j, r), name=f"nbdist-ray-rank-{r}",
-                                    daemon=True) for j, r in enumerate(ranks)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return [(r, outcomes[r]) for r in ranks]
+    def one(j: int, rank: int) -> None:
+        try:
+            outcomes[rank] = run_rank(launch, rank, here["host"], here["node"],
+                                      (gpus[j],) if gpus else (), scheduled, warm)
+        except BaseException as exc:  # every rank must end with an outcome
+            outcomes[rank] = RankOutcome(rank, RankStatus.FAILED, error={
+                "type": type(exc).__name__, "traceback": traceback.format_exc(),
+                "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
+            }).fields()
+
+    threads = [threading.Thread(target=one, args=(j, r), name=f"nbdist-ray-rank-{r}",
+                                daemon=True) for j, r in enumerate(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [(r, outcomes[r]) for r in ranks]
 
 
 def run_rank(launch: LaunchRequest, rank: int, host: str, node: str, gpus: tuple[str, ...],
@@ -82,8 +88,8 @@ def run_rank(launch: LaunchRequest, rank: int, host: str, node: str, gpus: tuple
 
     spec = RankSpec.for_rank(launch, rank, env=worker_pythonpath(), host=host, gpus=gpus,
                              python=sys.executable, executor=node, scheduled=scheduled)
-    # The actor is killed, with its children, once it returns: the zygote it leaves behind
-    # must be on its own by then.
+    # The worker stays after the task, but Ray kills its children when it goes (a cancel,
+    # Ray's idle-worker reaping, ray.shutdown()): the zygote it leaves must be on its own.
     return supervise(spec, warm, launch.modules, settle=True).fields()
 
 

@@ -284,3 +284,72 @@ def test_later_runs_fork_their_ranks_from_each_nodes_zygote(on_ray: Any) -> None
     again = nbdist.run(parent_and_torch, np=2, backend="ray", gpu=False, timeout=240)
     assert {p for p, _ in again.results} == parents, "the zygotes were not used again"
     stop_ray_zygotes()
+
+
+def host_pid() -> int:
+    """The pid of the Ray worker running this rank's task (``ray::RankHost`` while it runs):
+    a rank started fresh (no zygote) descends from it."""
+    import psutil
+
+    for proc in psutil.Process().parents():
+        if proc.cmdline()[:1] == ["ray::RankHost"]:
+            return proc.pid
+    raise LookupError("no Ray worker above this rank")
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
+def test_a_later_job_runs_in_the_first_jobs_ray_workers(on_ray: Any, monkeypatch: Any,
+                                                        gpu: bool) -> None:
+    """A bundle's ranks run in a Ray task whose worker Ray keeps, idle, after the job (GPU
+    tasks too: max_calls=0): the next job's task on the same bundle shape runs in the same
+    worker process, not a new one, and the group is still removed after each job."""
+    monkeypatch.setenv("NBDIST_ZYGOTE", "0")  # ranks started fresh: they descend from the host
+    ray_backend.settings.strategy = "STRICT_SPREAD"  # one bundle on each node
+    first = nbdist.run(host_pid, np=2, backend="ray", gpu=gpu, timeout=240).results
+    assert not groups_left()
+    workers = [psutil.Process(pid) for pid in first]
+    assert all(p.is_running() for p in workers), "the first job's Ray workers went"
+    again = nbdist.run(host_pid, np=2, backend="ray", gpu=gpu, timeout=240).results
+    assert set(again) == set(first), "the later job's tasks ran in new Ray workers"
+    assert len(set(first)) == 2
+
+
+def ignore_term_then_wait(gate: Gate, where: str) -> None:
+    import os
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the supervisor needs its SIGKILL grace
+    with open(f"{where}.{os.environ['RANK']}", "w") as f:
+        f.write(str(host_pid()))
+    gate.wait()
+
+
+def test_a_task_past_its_cancel_grace_is_force_cancelled(on_ray: Any, monkeypatch: Any,
+                                                         gate: Gate, tmp_path: Any) -> None:
+    """A cancel whose supervisors cannot stop their ranks within the grace (ranks ignoring
+    SIGTERM, a grace of 0) force-cancels the tasks: the job ends CANCELLED, Ray kills the
+    tasks' workers, and no rank or group is left."""
+    monkeypatch.setenv("NBDIST_ZYGOTE", "0")
+    monkeypatch.setattr(ray_backend, "CANCEL_GRACE_S", 0.0)
+    job = nbdist.run(ignore_term_then_wait, gate, str(tmp_path / "host"), np=2,
+                     backend="ray", gpu=False)
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("host.*"))) == 2, 120, "the Ray ranks to run")
+        workers = [int(p.read_text()) for p in sorted(tmp_path.glob("host.*"))]
+        job.cancel()
+        with pytest.raises(DistributedError, match="cancel"):
+            job.result(timeout=60)
+        launcher = job.launcher
+        assert isinstance(launcher, ray_backend.RayLauncher) and launcher._killed, (
+            "the tasks were not force-cancelled")
+    finally:
+        gate.open()
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_for(lambda: all(gone(pid) for pid in workers), 30, "Ray to kill the tasks' workers")
+    wait_for(lambda: not groups_left(), 10, "the job's group to be removed")
