@@ -53,15 +53,13 @@ system-deps:
 check: lint
 	$(PY) -m pytest -q -m "not slow and not spark and not browser"
 
-# The whole suite in WORKERS pytest-xdist workers (6: one for each of the five groups below and
-# one for the rest, which the others join as their groups end; most of it waits on ranks,
-# kernels and JVMs), the Ray tests and the version matrix beside it, lint too: .ci/suite says
-# in what order (the Ray tests first, alone until their cluster is up). What only one process
-# may hold (Spark, Ray, the multi-host tests' hosts, the browser) runs in one worker each
-# (tests/conftest.py, XDIST_GROUPS). Coverage is not measured here: measured in every rank,
-# zygote and kernel it took 1.7 times the CPU on 2 cores, which CI's budget cannot hold;
-# `make coverage` measures it.
-WORKERS ?= 6
+# The whole suite in WORKERS pytest-xdist workers (4; most of it waits on ranks, kernels and
+# JVMs), then the Ray tests with the version matrix's legs beside them, lint beside the workers:
+# .ci/suite says in what order and why. What only one process may hold (Spark, Ray, the
+# multi-host tests' hosts, the browser) runs in one worker each (tests/conftest.py,
+# XDIST_GROUPS). Coverage is not measured here: measured in every rank, zygote and kernel it
+# took 1.7 times the CPU on 2 cores, which CI's budget cannot hold; `make coverage` measures it.
+WORKERS ?= 4
 test: setup system-deps
 	@WORKERS=$(WORKERS) PY=$(PY) .ci/suite
 

@@ -109,10 +109,6 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 #: worker, in their file order, while the other workers share out the rest. Spark's are two
 #: groups: the tests of the standalone cluster form ``spark-cluster``.
 XDIST_GROUPS = ("multihost", "spark", "ray", "browser")
-#: Test files of the local session's group that form a group of their own, with a worker and a
-#: JVM of their own: the local session's tests were the longest chain of the workers (about 25
-#: minutes of a 25-minute run, docs/developing.md), the Spark fault rows a quarter of it.
-SPARK_SPLIT = {"test_spark_faults.py": "spark-faults"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
@@ -133,8 +129,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # Two Spark workers, each with a JVM of its own: the local session's tests and
             # the standalone cluster's (and Connect's) run side by side.
             group = "spark-cluster"
-        elif group == "spark":
-            group = SPARK_SPLIT.get(item.path.name, group)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
 
