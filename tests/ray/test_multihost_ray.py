@@ -43,6 +43,10 @@ START_DEADLINE_S = 240
 DRIVER = textwrap.dedent('''
     import json, os, socket, sys, time
 
+    # The driver finds its node among the raylets it sees (all of this machine's: one PID
+    # namespace), within Ray's 60 s for a GCS request by default; the head's raylet took
+    # most of it under the start's load, and the request was left too little (fresh clone).
+    os.environ["RAY_gcs_server_request_timeout_seconds"] = sys.argv[2]
     import ray
 
     import nbdist
@@ -104,7 +108,8 @@ def ray_start(net: Network, name: str, cpus: int, gpus: int, head_ip: str,
     else:
         argv += ["--address", f"{head_ip}:{GCS_PORT}"]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_agent_register_timeout_ms": str(START_DEADLINE_S * 1000)}
+           "RAY_agent_register_timeout_ms": str(START_DEADLINE_S * 1000),
+           "RAY_gcs_server_request_timeout_seconds": str(START_DEADLINE_S)}
     with open(net.tmpdir(name) / "ray-start.log", "wb") as log:
         started.append(subprocess.Popen([*net.prefix(name), *argv], stdout=log,
                                         stderr=subprocess.STDOUT, env=env,
