@@ -330,7 +330,9 @@ def test_a_task_past_its_cancel_grace_is_force_cancelled(on_ray: Any, monkeypatc
     job = nbdist.run(ignore_term_then_wait, gate, str(tmp_path / "host"), np=2,
                      backend="ray", gpu=False)
     try:
-        wait_for(lambda: len(list(tmp_path.glob("host.*"))) == 2, 120, "the Ray ranks to run")
+        # A rank creates its file before it writes its pid: wait for both pids, not the files.
+        wait_for(lambda: [p.read_text().strip().isdigit() for p in tmp_path.glob("host.*")]
+                 == [True, True], 120, "the Ray ranks to run")
         workers = [int(p.read_text()) for p in sorted(tmp_path.glob("host.*"))]
         job.cancel()
         with pytest.raises(DistributedError, match="cancel"):
