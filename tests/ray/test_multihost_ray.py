@@ -116,6 +116,25 @@ def ray_start(net: Network, name: str, cpus: int, gpus: int, head_ip: str,
                                         start_new_session=True))
 
 
+def wait_for_start(net: Network, name: str, proc: subprocess.Popen[bytes]) -> bool:
+    """Whether host ``name``'s ``ray start --block`` said its runtime started (False when it
+    exited first); bounded by ``START_DEADLINE_S``."""
+    import time
+
+    log = net.tmpdir(name) / "ray-start.log"
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            if "Ray runtime started" in log.read_text(errors="replace"):
+                return True
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.5)  # `ray start` offers nothing to wait on but its output
+    return False
+
+
 def said(net: Network) -> str:
     """What each host's ``ray start`` printed last: why a node did not come up."""
     out = []
@@ -151,6 +170,11 @@ def ray_hosts() -> Iterator[Network]:
             pytest.fail(f"the head's Ray did not start ({exc}):\n{said(net)}", pytrace=False)
         for name, cpus, gpus in NODES[1:]:
             ray_start(net, name, cpus, gpus, head_ip, started)
+        for i, (name, cpus, gpus) in enumerate(NODES[1:], start=1):
+            # Ray gives a node's raylet a fixed 30 s to register (ray/_private/node.py), which
+            # a loaded machine exceeds; `ray start` then exits: once, it is started again.
+            if not wait_for_start(net, name, started[i]):
+                ray_start(net, name, cpus, gpus, head_ip, started)  # the exited one stays listed
         yield net
     finally:
         net.down()  # every process in the hosts, ``ray start`` among them
