@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
-import traceback
 from typing import Any
 
 from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
@@ -57,25 +55,11 @@ def host_ranks(ranks: list[int], request: dict[str, Any], version: str,
         return _all_failed(ranks, "LaunchError", (
             f"the Ray task of ranks {ranks} was given {len(gpus)} GPUs ({gpus}) for "
             f"{len(ranks)} ranks"))
-    outcomes: dict[int, dict[str, Any]] = {}
+    from nbdist.rank.task import side_by_side
 
-    def one(j: int, rank: int) -> None:
-        try:
-            outcomes[rank] = run_rank(launch, rank, here["host"], here["node"],
-                                      (gpus[j],) if gpus else (), scheduled, warm)
-        except BaseException as exc:  # every rank must end with an outcome
-            outcomes[rank] = RankOutcome(rank, RankStatus.FAILED, error={
-                "type": type(exc).__name__, "traceback": traceback.format_exc(),
-                "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}",
-            }).fields()
-
-    threads = [threading.Thread(target=one, args=(j, r), name=f"nbdist-ray-rank-{r}",
-                                daemon=True) for j, r in enumerate(ranks)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return [(r, outcomes[r]) for r in ranks]
+    return side_by_side(ranks, lambda j, rank: run_rank(
+        launch, rank, here["host"], here["node"], (gpus[j],) if gpus else (), scheduled, warm),
+        "nbdist-ray-rank")
 
 
 def run_rank(launch: LaunchRequest, rank: int, host: str, node: str, gpus: tuple[str, ...],

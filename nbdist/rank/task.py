@@ -99,7 +99,6 @@ def run_ranks(ctx: Any, task: int, per_task: int, run: Callable[..., dict[str, A
     fallback rendezvous (``allGather``) takes one call per task, so these ranks need the event
     channel: the caller binds ``gather_ok=False``.
     """
-    import threading
 
     resources = ctx.resources()
     addresses = [str(a) for a in resources["gpu"].addresses] if "gpu" in resources else []
@@ -109,19 +108,29 @@ def run_ranks(ctx: Any, task: int, per_task: int, run: Callable[..., dict[str, A
                    f"{per_task} ranks (spark.task.resource.gpu.amount={per_task})")
         return [(r, {"status": RankStatus.FAILED, "error": {
             "type": "LaunchError", "traceback": "", "message": message}}) for r in ranks]
+    return side_by_side(ranks, lambda j, rank: run(rank, (addresses[j],)), "nbdist-task-rank")
+
+
+def side_by_side(ranks: list[int], run: Callable[[int, int], dict[str, Any]],
+                 name: str) -> list[tuple[int, dict[str, Any]]]:
+    """``run(j, rank)`` for each of ``ranks`` on a thread of its own (a Spark task's or a Ray
+    task's ranks); their outcomes' plain fields, by rank, in the order given. A supervisor
+    that raises still gives its rank an outcome: FAILED, saying so."""
+    import threading
+    import traceback
+
     outcomes: dict[int, dict[str, Any]] = {}
 
-    def one(j: int) -> None:
-        rank = ranks[j]
+    def one(j: int, rank: int) -> None:
         try:
-            outcomes[rank] = run(rank, (addresses[j],))
+            outcomes[rank] = run(j, rank)
         except BaseException as exc:  # every rank must end with an outcome
             outcomes[rank] = {"status": RankStatus.FAILED, "error": {
                 "type": type(exc).__name__, "traceback": traceback.format_exc(),
                 "message": f"nbdist's supervisor of rank {rank} failed: {exc!r}"}}
 
-    threads = [threading.Thread(target=one, args=(j,), name=f"nbdist-task-rank-{r}",
-                                daemon=True) for j, r in enumerate(ranks)]
+    threads = [threading.Thread(target=one, args=(j, r), name=f"{name}-{r}", daemon=True)
+               for j, r in enumerate(ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:
