@@ -98,8 +98,7 @@ def test_a_killed_connect_server_ends_its_jobs_and_names_it(
             unwatched.result(0)
     finally:
         gate.open()
-    refused = nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=60)
+    # Refused when the cell starts: no job is made, so no rank ran.
     with pytest.raises(CapacityError, match="is gone .*-np -N"):
-        refused.result(60)
-    assert all(r.lines == 0 for r in refused.state.ranks)  # refused before any rank ran
+        nbdist.run(_wait_at, gate, np=2, backend="spark", gpu=False, timeout=60)
     assert nbdist.run(_wait_at, gate, np=1, backend="local", gpu=False).result(60) == 1
