@@ -213,6 +213,14 @@ def register(job: Handle) -> None:
             _jobs.popitem(last=False)
 
 
+def forget(job: Handle) -> None:
+    """Take a job off this kernel's list: one whose launch failed (its cell got the error; it
+    never ran, and %dist_status must not show it pending for ever)."""
+    with _jobs_lock:
+        if _jobs.get(job.id) is job:
+            del _jobs[job.id]
+
+
 def retain(newest: Handle) -> None:
     """``newest`` holds its values now: let go of those of jobs that ended before it, once
     they and the jobs that ended after them hold more than ``settings.history_mb``."""

@@ -46,6 +46,7 @@ from nbdist.errors import (
 from nbdist.handle import STACKS_WAIT_S as STACKS_WAIT_S
 from nbdist.handle import Handle as Handle
 from nbdist.handle import dropped_error as dropped_error
+from nbdist.handle import forget
 from nbdist.handle import get_job as get_job
 from nbdist.handle import jobs as jobs
 from nbdist.handle import new_id as new_id
@@ -236,6 +237,7 @@ class Job(Handle):
             launcher.start(request, self._on_outcome)
         except BaseException:
             self._server.remove_job(self.id)
+            forget(self)
             raise
         if timeout is not None:
             self._timer = after(timeout, self._on_timeout)

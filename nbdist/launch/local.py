@@ -152,7 +152,7 @@ class WarmPool:
 
     @staticmethod
     def key(spec: RankSpec) -> tuple[object, ...]:
-        return (spec.python, spec.cwd, tuple(sorted({**os.environ, **spec.env}.items())),
+        return (spec.python, spec.cwd, tuple(sorted({**host.environ(), **spec.env}.items())),
                 installation_stamp(), process_attributes())
 
     @property

@@ -60,6 +60,7 @@ import threading
 import time
 from typing import Literal, TypedDict, cast
 
+from nbdist.rank.host import environ
 from nbdist.rank.supervisor import RankProcess, RankSpec, new_sync_marker
 from nbdist.rank.zygote import ExitMsg, Forked, ForkedMsg, ForkMsg, import_modules
 from nbdist.timeline import END, EXIT
@@ -181,7 +182,7 @@ def key(app: str, spec: RankSpec) -> str:
     """The hash naming the zygote a rank of ``spec`` may be forked from on this host."""
     from nbdist.rank.zygote import installation_stamp, process_attributes
 
-    env = sorted({**os.environ, **spec.env}.items())
+    env = sorted({**environ(), **spec.env}.items())
     text = json.dumps([app, spec.python, spec.cwd or os.getcwd(), env,
                        list(installation_stamp()), repr(process_attributes())])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -427,7 +428,7 @@ class ExecutorZygote:
             proc = subprocess.Popen(
                 [spec.python, "-c", COMMAND], stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(lock_fd,),
-                start_new_session=True, env={**os.environ, **spec.env}, cwd=spec.cwd,
+                start_new_session=True, env={**environ(), **spec.env}, cwd=spec.cwd,
             )
         except OSError:
             return None

@@ -23,6 +23,21 @@ from collections.abc import Collection
 _SITE_NAMES = ("site-packages", "dist-packages")
 
 
+def environ() -> dict[str, str]:
+    """This process's environment as a plain dict, also while another thread changes it.
+
+    Copying ``os.environ`` iterates its keys and looks each one up: a key deleted meanwhile by
+    another thread (MLflow's telemetry thread deletes one of its own) raised ``KeyError`` in
+    the launch that was copying it, and the job was left half started. The copy is retried.
+    """
+    for _ in range(99):
+        try:
+            return dict(os.environ)
+        except (KeyError, RuntimeError):  # changed under the copy: copy again
+            continue
+    return dict(os.environ)
+
+
 def installation_dirs() -> list[str]:
     """Real paths of the directories this interpreter's packages are installed in: its standard
     library, its site directories, and any ``site-packages``/``dist-packages`` on sys.path."""

@@ -56,6 +56,7 @@ from nbdist.rank import signals
 from nbdist.rank.cells import JobWork, RankWork, SessionCells
 from nbdist.rank.client import EventClient
 from nbdist.rank.death import OomWatch
+from nbdist.rank.host import environ
 from nbdist.resources import Sampler
 from nbdist.world import Hello, plan_world
 
@@ -122,7 +123,7 @@ class RankProcess:
     def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
         ctl_in_r, ctl_in_w = os.pipe()
         ctl_out_r, ctl_out_w = os.pipe()
-        full = {**os.environ, **env}
+        full = {**environ(), **env}
         full["NBDIST_CTL_IN"], full["NBDIST_CTL_OUT"] = str(ctl_in_r), str(ctl_out_w)
         full["NBDIST_SYNC"] = sync = new_sync_marker()
         full.setdefault("PYTHONIOENCODING", "utf-8")

@@ -53,6 +53,7 @@ from nbdist.rank.fork_safety import note_import, recording_thread_starts
 from nbdist.rank.host import (
     become_subreaper,
     changed_file,
+    environ,
     installation_dirs,
     is_installed,
     module_files,
@@ -149,7 +150,7 @@ class Zygote:
     def __init__(self, python: str, env: dict[str, str], cwd: str | None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # When it starts importing: a module file modified after this is not trusted.
-        full = {**os.environ, **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno()),
+        full = {**environ(), **env, "NBDIST_ZYGOTE_FD": str(theirs.fileno()),
                 "NBDIST_ZYGOTE_T0": str(time.time_ns())}
         full.setdefault("PYTHONIOENCODING", "utf-8")
         try:
