@@ -8,7 +8,10 @@ import signal
 import pytest
 
 import nbdist
+from nbdist import job as jobs
 from nbdist import state
+from nbdist.errors import LaunchError
+from nbdist.rank import host
 
 from .helpers import Gate, rank_processes, wait_for
 
@@ -34,6 +37,7 @@ def test_every_rank_gets_the_torchrun_environment() -> None:
 
 
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+@pytest.mark.fresh_pool
 def test_ranks_are_fresh_interpreters_in_their_own_process_group(
     zygote: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -335,6 +339,7 @@ def print_then_fork(how: str) -> int:
 
 @pytest.mark.parametrize("how", ["os.fork", "os.fork, flush", "multiprocessing"])
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+@pytest.mark.fresh_pool
 def test_a_child_forked_during_a_flood_repeats_nothing_and_loses_nothing(
     how: str, zygote: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -446,3 +451,49 @@ def test_a_distributed_error_reason_is_an_enum_equal_to_its_word() -> None:
     assert again.reason is Reason.TIMEOUT and again.job_id == "j1"
     with pytest.raises(ValueError):
         nbdist.DistributedError("x", reason="bored")
+
+
+def test_a_job_launched_while_another_thread_changes_the_environment_starts() -> None:
+    """A launch copies the environment (the zygote's key, the ranks'): another thread adding
+    and deleting variables meanwhile (MLflow's telemetry thread deletes one of its own) once
+    made the copy raise KeyError, leaving the job half started."""
+    import threading
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            os.environ[f"NBDIST_TEST_CHURN_{i % 50}"] = "1"
+            os.environ.pop(f"NBDIST_TEST_CHURN_{(i + 25) % 50}", None)
+            i += 1
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    try:
+        for _ in range(2000):
+            assert "PATH" in host.environ()
+        value = nbdist.run(os.getpid, np=1).result(120)
+    finally:
+        stop.set()
+        thread.join()
+        for i in range(50):
+            os.environ.pop(f"NBDIST_TEST_CHURN_{i}", None)
+    assert isinstance(value, int) and value != os.getpid()
+
+
+def test_a_launch_that_fails_leaves_no_pending_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend whose start raises: the cell gets that error, and the job is not on the
+    kernel's list (it never ran; %dist_status and %unload_ext would see it pending for ever)."""
+    from nbdist.launch.local import LocalLauncher
+
+    def broken(self: LocalLauncher, request: object, on_outcome: object) -> None:
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(LocalLauncher, "start", broken)
+    before = [j.id for j in jobs.jobs()]
+    with pytest.raises(LaunchError, match="could not start the 1 ranks on the local backend: "
+                                          "no processes left"):
+        nbdist.run(os.getpid, np=1)
+    # The list keeps the last jobs only: registering the failed one may have let the oldest go.
+    assert {j.id for j in jobs.jobs()} <= set(before)
