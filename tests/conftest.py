@@ -148,6 +148,13 @@ class _GroupsCheck:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # pytest sets PYTEST_CURRENT_TEST in the environment for each phase of each test, and a
+    # zygote serves one environment (its key is all of it): every test, and every phase of
+    # one, started a zygote of its own. No test reads it.
+    import _pytest.runner
+
+    _pytest.runner._update_current_test_var = lambda item, when: None
+    os.environ.pop("PYTEST_CURRENT_TEST", None)
     if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
         config.pluginmanager.register(_GroupsCheck(), "nbdist-xdist-groups")
 
@@ -157,9 +164,30 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     release(item.session.items, nextitem)  # the tests that follow Spark's see no session
 
 
+def _pool_reusable(pool: Any) -> bool:
+    """Whether the test process's warm pool may serve the next test: only zygotes that can
+    fork (none stale, none refusing), and no warm interpreters, idle or being started (the
+    fallback where no zygote serves a job's environment)."""
+    with pool._lock:
+        zygotes, idle, filler = list(pool._zygotes.values()), list(pool._idle), pool._filler
+    return not idle and filler is None and all(z.alive and z.safe and not z.stale
+                                               for z in zygotes)
+
+
+def _let_go(pool: Any) -> None:
+    """The pool as a new kernel's: no zygote, and no last job's modules to import ahead (after
+    a Keras test those were TensorFlow's and JAX's: 10 s of CPU in the next test's zygote)."""
+    pool.clear()
+    pool._last = set()
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After each test, every process the test started must be gone (within the 10 s bound)."""
+    """After each test, every process the test started must be gone (within the 10 s bound),
+    but the zygotes of this process's warm pool (``nbdist.launch.local.pool``): the next tests'
+    jobs fork their ranks from them, as a notebook's next cells do, instead of starting a
+    zygote each (and importing torch in it again). A test that looks at the pool itself, or
+    turns zygotes off, is marked ``fresh_pool``: the pool is let go before and after it."""
     from nbdist.launch.local import pool
 
     if request.node.get_closest_marker("multihost"):  # its hosts' processes: its own check
@@ -173,12 +201,18 @@ def no_leftover_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         request.getfixturevalue("no_leftover_ray")
         yield
         return
+    fresh = request.node.get_closest_marker("fresh_pool") is not None
+    if fresh:
+        _let_go(pool)
     before = set(_descendants())
     yield
-    pool.clear()  # warm interpreters are meant to outlive a job, not a test
+    if fresh or not _pool_reusable(pool):
+        _let_go(pool)
+    kept = set(pool.pids())  # the zygotes the next tests fork from; their ranks must be gone
     deadline = time.monotonic() + GONE_WITHIN_S
     while True:
-        left = {pid: cmd for pid, cmd in _descendants().items() if pid not in before}
+        left = {pid: cmd for pid, cmd in _descendants().items()
+                if pid not in before and pid not in kept}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.05)

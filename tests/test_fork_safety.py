@@ -22,7 +22,7 @@ from nbdist.views import status
 
 from .helpers import run
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.fresh_pool]
 
 
 def test_device_handles_are_found_among_descriptors_and_mappings() -> None:

@@ -97,6 +97,7 @@ def test_a_session_start_that_times_out_names_the_ranks_not_ready(tmp_path: Path
     assert live.wait(60)
 
 
+@pytest.mark.fresh_pool
 def test_warm_at_load_set_in_the_notebook_says_what_it_does(ip: Any, capsys: Any) -> None:
     """%config DistMagics.warm_at_load after the load is not silent: False says it was read at
     load and how to set it, True starts the zygote or says why there is none to start."""

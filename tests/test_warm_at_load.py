@@ -10,7 +10,8 @@ import pytest
 import nbdist
 from nbdist.launch import local
 
-pytestmark = pytest.mark.skipif(not local.ZYGOTE, reason="zygotes are Linux only")
+pytestmark = [pytest.mark.skipif(not local.ZYGOTE, reason="zygotes are Linux only"),
+              pytest.mark.fresh_pool]
 
 
 def _probe() -> tuple[int, int, bool]:

@@ -20,7 +20,7 @@ import pytest
 import nbdist
 from nbdist.launch import local
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.fresh_pool]
 
 
 def first_job() -> dict[str, int]:

@@ -40,6 +40,7 @@ def _printer(lines: int) -> int:
 
 
 @pytest.mark.parametrize("zygote", [True, False])
+@pytest.mark.fresh_pool
 def test_a_job_that_prints_works_from_a_kernel_holding_1100_files(
     open_files: list[int], zygote: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

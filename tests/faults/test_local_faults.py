@@ -64,6 +64,7 @@ def test_processes_a_rank_starts_die_with_it(how: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("death", list(rows.SUDDEN_DEATHS))
 @pytest.mark.parametrize("zygote", [True, False], ids=["zygote", "NBDIST_ZYGOTE=0"])
+@pytest.mark.fresh_pool
 def test_a_child_in_its_own_session_dies_with_a_rank_that_died_at_once(
     death: str, zygote: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
