@@ -24,13 +24,16 @@ from . import children
 from .helpers import Gate, run, wait_for
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The table's results as a plain script gives them, every start method in one run."""
-    found = children.reference(tmp_path_factory.mktemp("reference"))
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_table_as_a_plain_script_gives_what_is_worked_out_by_hand(tmp_path: Path) -> None:
+    """The table's premise: run as a plain script (``__main__`` guarded), every start method
+    gives ``children.expected_by_hand()``. The ranks' tests (here and on Spark) compare with
+    that table, so they give what the script gives. Run once in the suite: the script starts
+    24 children, most of them fresh interpreters importing torch."""
+    found = children.reference(tmp_path)
     for method in children.METHODS:
         assert found[method] == children.expected_by_hand(), method
-    return found
 
 
 @pytest.fixture
@@ -46,11 +49,12 @@ def notebook(ip: Any) -> Iterator[Any]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("method", children.METHODS)
 def test_notebook_code_reaches_every_kind_of_child_of_a_local_rank(
-    notebook: Any, reference: dict[str, Any], method: str
+    notebook: Any, method: str
 ) -> None:
-    """DataLoader workers, Pool, ProcessPoolExecutor, torch.multiprocessing: as the script."""
+    """DataLoader workers, Pool, ProcessPoolExecutor, torch.multiprocessing: as the script
+    (``test_the_table_as_a_plain_script_gives_what_is_worked_out_by_hand``)."""
     out = run(notebook, children.cell((method,)))
-    assert json.loads(out)[method] == reference[method]
+    assert json.loads(out)[method] == children.expected_by_hand()
 
 
 @pytest.mark.timeout(120)
