@@ -162,6 +162,10 @@ def _kill_when_ready(ready: Path, timeout: float = 120.0) -> float:
 
 
 @pytest.mark.slow
+# In a fresh clone with the worker's zygotes shared between tests, its second attempt once ran
+# past 240 s (2026-11-28; not reproduced alone or after the Keras tests): until that is
+# understood, it starts from no zygote, as every test did before (docs/developing.md).
+@pytest.mark.fresh_pool
 def test_killed_rank_restarts_from_its_checkpoint_to_the_same_parameters(
     tmp_path: Path,
 ) -> None:
