@@ -89,7 +89,10 @@ def test_renders_are_coalesced_and_unchanged_state_sends_nothing(sent: list[Any]
     assert panel.rows[1].bar.value == pytest.approx(4999 / 5000)
     before, renders = len(sent), panel.renders
     panel.render()
-    assert panel.renders == renders and len(sent) == before
+    # Idle: no row, pane or bar is sent again; only the header's elapsed time, when a second
+    # went by between the two renders (a busy machine: py313's leg once).
+    assert panel.renders == renders
+    assert {model_id for model_id, _ in sent[before:]} <= {panel.header.model_id}
 
 
 def test_log_panes_are_bounded_and_say_what_they_leave_out() -> None:
