@@ -219,6 +219,7 @@ class EnvFrame(TypedDict, total=False):
 
     env: dict[str, str]
     cwd: str
+    unset: list[str]  # variables the rank must not have (``RankSpec.volatile``)
 
 
 class ErrorRecord(TypedDict):

@@ -2,7 +2,8 @@
 
 The zygote is the real one (``executor_zygote.main``, as a Spark task starts it), given a socket
 in a private directory of its own; ``tests/spark/test_warm_executors.py`` attacks the zygotes of
-real executors (``local[2]`` and the standalone cluster) the same way.
+real executors (``local[2]`` and the standalone cluster) the same way. Also: the variables a
+zygote's key leaves out, which each forked rank gets from its own task.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def start(directory: str, idle_s: float = 600) -> Zygote:
     lock_fd = os.open(path[:-5] + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for its life, as a task does
     config: executor_zygote.ExecutorConfig = {
-        "path": path, "secret": secret, "idle_s": idle_s, "modules": [], "nice": 0,
+        "path": path, "secret": secret, "idle_s": idle_s, "modules": [], "nice": 0, "later": [],
         "watch": [os.getpid()], "lock_fd": lock_fd, "t0": time.time_ns(),
     }
     stderr = Path(directory, "stderr")
@@ -201,3 +202,37 @@ def test_strangers_that_never_say_hello_do_not_keep_an_idle_zygote(zygote_dir: s
         if z.alive():
             z.proc.terminate()
     assert not os.path.exists(z.path), "the zygote left its socket behind"
+
+
+def test_a_zygote_serves_workers_whose_volatile_variables_differ_and_each_rank_gets_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray sets ``RAY_JOB_ID``, ``PYTHONIOENCODING`` and ``CUDA_VISIBLE_DEVICES`` differently
+    in its workers: the key of a node's zygote leaves them out (``RankSpec.volatile``), and the
+    rank's environment frame sets them as its own task has them, or unsets them."""
+    from nbdist.rank import runtime
+    from nbdist.rank.supervisor import RankSpec, env_frame
+
+    spec = RankSpec(rank=0, world_size=1, job_id="j", secret="s", driver=("127.0.0.1", 1),
+                    payload=b"", env={"NBDIST_TEST_MINE": "1"},
+                    volatile=("NBDIST_TEST_SET", "NBDIST_TEST_UNSET"))
+    monkeypatch.setenv("NBDIST_TEST_SET", "worker-1")
+    monkeypatch.setenv("NBDIST_TEST_UNSET", "the zygote's")
+    first = executor_zygote.key("app", spec)
+    monkeypatch.setenv("NBDIST_TEST_SET", "worker-2")
+    monkeypatch.delenv("NBDIST_TEST_UNSET")
+    assert executor_zygote.key("app", spec) == first
+    monkeypatch.setenv("NBDIST_TEST_OTHER", "x")  # any other variable still makes another key
+    assert executor_zygote.key("app", spec) != first
+    monkeypatch.delenv("NBDIST_TEST_OTHER")
+
+    frame = env_frame(spec, {"RANK": "0"})
+    assert frame["env"] == {"NBDIST_TEST_SET": "worker-2", "NBDIST_TEST_MINE": "1", "RANK": "0"}
+    assert frame["unset"] == ["NBDIST_TEST_UNSET"]
+    monkeypatch.setenv("NBDIST_TEST_UNSET", "the zygote's")  # as the forked rank has it
+    monkeypatch.setenv("NBDIST_TEST_SET", "worker-1")
+    monkeypatch.setattr(runtime, "_size_thread_pools", lambda threads: None)
+    runtime._set_env(frame)
+    assert "NBDIST_TEST_UNSET" not in os.environ
+    assert os.environ["NBDIST_TEST_SET"] == "worker-2"
+    assert "unset" not in env_frame(RankSpec(rank=0, world_size=1, job_id="j", secret="s",
+                                             driver=("127.0.0.1", 1), payload=b""), {})

@@ -470,10 +470,11 @@ def test_the_packages_a_rank_imported_are_judged_once_per_file(
     own modules, and each module file is judged once (a session asks after every cell)."""
     import importlib
 
-    from nbdist.rank import runtime
+    from nbdist.rank import host, runtime
 
     (tmp_path / "mine_nbdist_test.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    host.installation_dirs()  # what it imports (sysconfig) is not the rank's
     before = set(sys.modules) - {"mine_nbdist_test", "wave"}
     importlib.import_module("mine_nbdist_test")
     wave = importlib.import_module("wave")  # the standard library: installed
@@ -490,3 +491,63 @@ def test_the_packages_a_rank_imported_are_judged_once_per_file(
     assert runtime._imported_since(before) == ["wave"]
     assert sorted(judged) == sorted({str(tmp_path / "mine_nbdist_test.py"), str(wave.__file__)})
     monkeypatch.delitem(sys.modules, "mine_nbdist_test")
+
+
+def test_a_rank_reports_the_subpackages_it_imported_lazily(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing a package does not import all it has (DDP imports ``torch._dynamo`` on its
+    first call): a rank reports the top-level packages, their subpackages one level down,
+    and, at any depth, what it imported after its payload's imports under a package loaded
+    then; not what importing a package it reports brings anyway."""
+    import importlib
+
+    from nbdist.rank import runtime
+
+    pkg = tmp_path / "nbdist_lazypkg"
+    for folder in (pkg, pkg / "sub", pkg / "sub" / "deep", pkg / "other"):
+        folder.mkdir()
+        (folder / "__init__.py").write_text("")
+    (pkg / "sub" / "deep" / "deeper.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(runtime, "_installed", {})  # as if installed: judged by its file
+    monkeypatch.setattr(runtime, "is_installed", lambda path, dirs: True)
+    names = [n for n in sys.modules if n.startswith("nbdist_lazypkg")]
+    for name in names:
+        monkeypatch.delitem(sys.modules, name)
+    before = set(sys.modules)
+    try:
+        importlib.import_module("nbdist_lazypkg.sub")  # the payload's own import
+        base = set(sys.modules)
+        importlib.import_module("nbdist_lazypkg.sub.deep.deeper")  # lazily, later
+        importlib.import_module("nbdist_lazypkg.other")
+        mine = [n for n in runtime._imported_since(before, base) if n.startswith("nbdist_")]
+        assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.other", "nbdist_lazypkg.sub.deep"]
+        # Without the payload's moment (a fresh rank of a function): one level down only.
+        mine = [n for n in runtime._imported_since(before) if n.startswith("nbdist_")]
+        assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.other", "nbdist_lazypkg.sub"]
+    finally:
+        for name in [n for n in sys.modules if n.startswith("nbdist_lazypkg")]:
+            del sys.modules[name]
+
+
+def had_then_import(name: str) -> dict[str, object]:
+    import importlib
+    import os
+    import sys
+
+    had = name in sys.modules
+    importlib.import_module(name)
+    return {"had": had, "parent": os.getppid()}
+
+
+def test_the_next_job_finds_loaded_what_a_rank_imported_lazily() -> None:
+    """A subpackage the first job's ranks imported as they ran (not named in the code: the
+    zygote could not know it) is loaded in the zygote after the job: the next job's ranks,
+    forked from it, find it imported."""
+    first = nbdist.run(had_then_import, "xmlrpc.client", np=2, gpu=False).results
+    assert [r["had"] for r in first] == [False, False]
+    (zygote,) = local.pool.pids()
+    assert "xmlrpc" in local.pool.modules
+    again = nbdist.run(had_then_import, "xmlrpc.client", np=2, gpu=False).results
+    assert [r["had"] for r in again] == [True, True]
+    assert {r["parent"] for r in again} == {zygote}

@@ -28,6 +28,10 @@ proves the secret a connection is not work for the idle timer.
 One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
 (mac, modules to import) → ``ready``; task → ``fork`` with the rank's four pipes (SCM_RIGHTS)
 → ``forked``; later ``exit`` with the rank's exit code (the zygote is its parent and guardian).
+After its rank a task hands over, on a connection of its own, what the rank imported (lazily
+imported subpackages too): a ``hello`` with ``nice``. The zygote imports that (and what the
+first rank reported, given at its start) at nice 19 once no rank forked here runs, one module
+at a time, and stops for a task that connects meanwhile (``_Server._warm_later``).
 Both ends are in this module and the messages are typed below (``TaskMsg``, ``ExecutorZygoteMsg``;
 ``forked`` and ``exit`` are the local zygote's); the task that starts a zygote gives it an
 ``ExecutorConfig`` on its stdin.
@@ -58,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Literal, TypedDict, cast
 
 from nbdist.rank.host import environ
@@ -80,6 +85,12 @@ SETTLE_S = 10.0
 FIRST_WAIT_S = 1.0
 #: The nice value of the imports of a zygote started while a job's rank runs beside it.
 LOW_NICE = 19
+#: The longest the start of a zygote, once the rank's code returned, waits for the rank to
+#: say what it imported (it does at once; a rank that died says nothing).
+REPORT_WAIT_S = 5.0
+#: The longest a task waits for the executor's zygote to take its rank's modules after the
+#: rank (``leave_behind``): the zygote answers at once and imports them later.
+HANDOVER_S = 2.0
 #: A connection must send its hello this soon after it is accepted, or it is closed (and
 #: counted in ``_Server.rejected``): a task sends it as soon as it reads the challenge. Until
 #: then a connection is not work: a silent stranger neither keeps an idle zygote alive past
@@ -101,10 +112,13 @@ class ChallengeMsg(TypedDict):
 
 
 class HelloMsg(TypedDict):
-    """Task → zygote: the answer to the challenge, and the modules its rank will import."""
+    """Task → zygote: the answer to the challenge, and the modules its rank will import (at
+    once); with ``nice`` > 0, modules a rank imported, for the next runs: imported at that
+    priority once no rank forked here runs (``ExecutorZygote.leave_behind``)."""
 
     t: Literal["hello"]
     modules: list[str]
+    nice: int
     mac: str
 
 
@@ -140,6 +154,7 @@ class ExecutorConfig(TypedDict):
     idle_s: float
     modules: list[str]  # to import at once
     nice: int  # the priority of those imports
+    later: list[str]  # to import later, at ``LOW_NICE``: what the rank reported it imported
     watch: list[int]  # pids: the zygote goes when any of them ends
     lock_fd: int  # the lock file it holds for its whole life (inherited)
     t0: int  # time.time_ns() before it was started: a module file changed later is not trusted
@@ -182,7 +197,8 @@ def key(app: str, spec: RankSpec) -> str:
     """The hash naming the zygote a rank of ``spec`` may be forked from on this host."""
     from nbdist.rank.zygote import installation_stamp, process_attributes
 
-    env = sorted({**environ(), **spec.env}.items())
+    env = sorted((k, v) for k, v in {**environ(), **spec.env}.items()
+                 if k not in spec.volatile)  # the rank gets the task's (``env_frame``)
     text = json.dumps([app, spec.python, spec.cwd or os.getcwd(), env,
                        list(installation_stamp()), repr(process_attributes())])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -236,13 +252,15 @@ class ExecutorZygote:
         self._path = ""
         self._thread: threading.Thread | None = None
         self._rank: Forked | None = None
-        self._modules: list[str] = []
+        self._modules: list[str] = []  # the job's (read from its code): imported at once
+        self._later: list[str] = []  # what the rank reported it imported: imported later
         #: The pid of the process this task started to become the executor's zygote, if any.
         self.started: int | None = None
         self._intermediate: subprocess.Popen[bytes] | None = None  # that process
         self._wanted = False  # none was there: this task starts one once its rank imported
         self._starting = False
         self._started = threading.Event()
+        self._reported = threading.Event()  # the rank said what it imported, or cannot
         self._lock = threading.Lock()
 
     # -- connecting ------------------------------------------------------------------------------
@@ -253,28 +271,34 @@ class ExecutorZygote:
                                         daemon=True)
         self._thread.start()
 
+    def _hello(self, modules: list[str], nice: int, timeout: float) -> socket.socket:
+        """A connection to the executor's zygote that proved the secret and got ``modules``
+        imported (``nice`` 0: before the answer; see ``HelloMsg``); raises ``_Refused`` if it
+        cannot fork, an ``OSError`` or a ``ValueError`` if it cannot be reached."""
+        self._path = socket_path(socket_dir(), self.app, self.spec)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self._path)
+            if _peer_uid(sock) != os.getuid():
+                raise PermissionError("the zygote's socket is another user's")
+            # What the zygote sends is checked as it is read: a wrong shape raises one of
+            # the errors the callers catch, and the rank starts fresh.
+            challenge = cast(ChallengeMsg, json.loads(sock.recv(_PACKET)))
+            sock.send(_packet({"t": "hello", "modules": modules, "nice": nice,
+                               "mac": mac(self.secret, challenge["nonce"])}))
+            ready = cast(ExecutorReadyMsg, json.loads(sock.recv(_PACKET) or b"{}"))
+            if ready.get("t") != "ready" or not ready.get("safe"):
+                raise _Refused(str(ready.get("why") or "it did not answer"))
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(None)
+        return sock
+
     def _connect(self) -> None:
         try:
-            self._path = socket_path(socket_dir(), self.app, self.spec)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sock.settimeout(WAIT_S)
-            try:
-                sock.connect(self._path)
-                if _peer_uid(sock) != os.getuid():
-                    raise PermissionError("the zygote's socket is another user's")
-                # What the zygote sends is checked as it is read: a wrong shape raises one of
-                # the errors below, and the rank starts fresh.
-                challenge = cast(ChallengeMsg, json.loads(sock.recv(_PACKET)))
-                sock.send(_packet({"t": "hello", "modules": self._modules,
-                                   "mac": mac(self.secret, challenge["nonce"])}))
-                ready = cast(ExecutorReadyMsg, json.loads(sock.recv(_PACKET) or b"{}"))
-                if ready.get("t") != "ready" or not ready.get("safe"):
-                    raise _Refused(str(ready.get("why") or "it did not answer"))
-            except BaseException:
-                sock.close()
-                raise
-            sock.settimeout(None)
-            self.sock, self.ready_at = sock, time.time()
+            self.sock, self.ready_at = self._hello(self._modules, 0, WAIT_S), time.time()
         except (FileNotFoundError, ConnectionRefusedError):  # none here (any more)
             # This task's rank starts fresh; the zygote for the next ones starts once the
             # rank has imported its modules (``on_mark``), so that it never competes with them.
@@ -365,6 +389,8 @@ class ExecutorZygote:
         background, its imports at nice 19. Started any earlier, its start and
         ``import torch`` would compete with the rank's own (a function's imports are in its
         body) and its work for the CPU, and make the first run slower (measured)."""
+        if name == EXIT:
+            self._reported.set()  # a rank that ended says no more
         if name not in (END, EXIT) or not self._wanted:
             return
         with self._lock:
@@ -375,32 +401,51 @@ class ExecutorZygote:
                          name="nbdist-executor-zygote-start", daemon=True).start()
 
     def _start_wanted(self, nice: int) -> None:
-        self.started = self._start(self._modules, nice)
+        self._reported.wait(REPORT_WAIT_S)  # comes right after the end of the rank's code
+        with self._lock:
+            later = list(self._later)
+        self.started = self._start(self._modules, later, nice)
         self._started.set()
+
+    def report(self, modules: list[str]) -> None:
+        """The supervisor's hook: the modules the rank says it imported (``runtime``'s
+        ``_imported_since``: lazily imported subpackages too). A zygote this task starts
+        imports them after the job's own (``ExecutorConfig.later``); its start waits for them
+        (``REPORT_WAIT_S``)."""
+        with self._lock:
+            self._later = sorted(set(modules) | set(self._later))
+        self._reported.set()
 
     def leave_behind(self, modules: list[str], settle: bool = False) -> int | None:
         """After the rank: when no zygote was started for the next tasks yet (the rank never
         got to its imports; or the zygote there would not fork, e.g. a module of it changed on
-        disk and it went), start one now, importing ``modules`` (what the rank imported) as
-        well; see :meth:`_start`. Returns once the start (a fork and exec) is done; with
+        disk and it went), start one now, to import ``modules`` (what the rank imported) after
+        the job's own; see :meth:`_start`. Returns once the start (a fork and exec) is done; with
         ``settle``, once the zygote is on its own (the process that forks it has exited): a
-        Ray actor is killed, with its children, as soon as it returns."""
+        Ray actor is killed, with its children, as soon as it returns. A rank forked from
+        the zygote hands it ``modules`` instead, for the next runs (``HelloMsg``): what the
+        rank imported that the zygote had not (``torch._dynamo``, which DDP imports lazily,
+        took every forked rank 1.4 s)."""
         self._connected.wait(WAIT_S)
+        self._reported.set()
         with self._lock:
             starting, self._starting = self._starting, True
         if starting:
             self._started.wait(WAIT_S)
         elif self._rank is not None:
+            if modules:
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    self._hello(modules, LOW_NICE, HANDOVER_S).close()
             return None
         else:
-            self._modules = sorted(set(modules) | set(self._modules))
+            self.report(modules)
             self._start_wanted(LOW_NICE)
         if settle and self._intermediate is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._intermediate.wait(SETTLE_S)
         return self.started
 
-    def _start(self, modules: list[str], nice: int) -> int | None:
+    def _start(self, modules: list[str], later: list[str], nice: int) -> int | None:
         """Start the executor's zygote for the next tasks. The pid of the process started (it
         goes on as the zygote's parent-less grandchild), or None: one is there or starting,
         or this executor has ``MAX_PER_EXECUTOR`` already."""
@@ -422,7 +467,7 @@ class ExecutorZygote:
             return None
         spec = self.spec
         config: ExecutorConfig = {"path": path, "secret": self.secret, "idle_s": self.idle_s,
-                  "modules": modules, "nice": nice,
+                  "modules": modules, "nice": nice, "later": later,
                   "watch": _ancestors_to_watch(), "lock_fd": lock_fd, "t0": time.time_ns()}
         try:
             proc = subprocess.Popen(
@@ -524,6 +569,10 @@ class _Server:
         self.rank0: list[str] = []
         self.deferred: list[tuple[float, _Conn, list[int], ExecutorForkMsg]] = []
         self.retiring = False
+        #: Modules a task handed over after its rank (``HelloMsg`` with ``nice``), imported at
+        #: ``LOW_NICE`` once no rank forked here runs: an import blocks this loop, and with it
+        #: the exit of a rank that is still running, which its job waits for.
+        self.later: set[str] = set()
         self.idle_since = time.monotonic()
         self.pidfds: list[int] = []
         for pid in config.get("watch", []):
@@ -555,9 +604,12 @@ class _Server:
             _sweep(os.path.dirname(self.path))
         self.safe, self.why = True, ""
         self._warm(list(config.get("modules", [])), int(config.get("nice") or 0))
+        self.later.update(str(m) for m in config.get("later", []) if m not in sys.modules)
 
-    def _warm(self, modules: list[str], nice: int = 0) -> tuple[bool, str, bool]:
-        """Import what is new of ``modules``; (safe, why, stale)."""
+    def _warm(self, modules: list[str], nice: int = 0,
+              until: Callable[[], bool] | None = None) -> tuple[bool, str, bool]:
+        """Import what is new of ``modules``; (safe, why, stale). With ``until``, one module
+        at a time, and once ``until()`` is true the rest goes back to ``later``."""
         from nbdist.rank.host import changed_file, module_files
         from nbdist.rank.zygote import fork_safety
 
@@ -569,7 +621,15 @@ class _Server:
         new = [m for m in modules if m not in sys.modules]
         if new:
             since = time.time_ns()
-            import_modules(new, nice)
+            if until is None:
+                import_modules(new, nice)
+            else:
+                for i, name in enumerate(new):
+                    if until():
+                        self.later.update(new[i:])
+                        break
+                    if name not in sys.modules:  # or a package imported before brought it
+                        import_modules([name], nice)
             self.files.update(module_files(self.files, since))
         self.safe, self.why = fork_safety()
         return self.safe, self.why, False
@@ -577,9 +637,12 @@ class _Server:
     def serve(self) -> None:
         self.idle_since = time.monotonic()  # idle from when its first imports are done
         while True:
+            # What the ranks reported they imported, once none of them runs; one module at a
+            # time, and a task that connects meanwhile is served first (``_warm_later``).
+            later = bool(self.later) and not (self.ranks or self.deferred or self.retiring)
             # Only a task that proved the secret, or a rank, is work: a stranger that connects
             # and says nothing keeps no idle zygote alive (it is cut at its hello's deadline).
-            busy = bool(self.ranks) or any(c.authed for c in self.conns.values())
+            busy = later or bool(self.ranks) or any(c.authed for c in self.conns.values())
             if busy:
                 self.idle_since = time.monotonic()
             elif self.retiring or time.monotonic() - self.idle_since >= self.idle_s:
@@ -591,7 +654,8 @@ class _Server:
             if dues:
                 due = max(0.0, min(dues) - time.monotonic()) + 0.001
                 timeout = due if timeout is None else min(timeout, due)
-            for sel_key, _ in self.sel.select(timeout):
+            events = self.sel.select(0 if later else timeout)
+            for sel_key, _ in events:
                 what = sel_key.data
                 if what == "gone":  # the executor (or its Python daemon) ended
                     self._exit()
@@ -606,6 +670,16 @@ class _Server:
                     self._message(what)
             self._expire()
             self._run_deferred()
+            if later and not events:
+                self._warm_later()
+
+    def _warm_later(self) -> None:
+        """Import ``later`` at ``LOW_NICE``, shallow names first (a package brings most of its
+        subpackages), until a task or a rank needs the loop: an import holds it, and with it
+        the exit of a rank still running, which its job waits for, and a task's fork."""
+        todo, self.later = sorted(self.later, key=lambda m: (m.count("."), m)), set()
+        self._warm(todo, LOW_NICE, until=lambda: bool(self.sel.select(0)))
+        self.idle_since = time.monotonic()  # idle from the end of its imports
 
     def _accept(self) -> None:
         try:
@@ -681,11 +755,16 @@ class _Server:
             if hello.get("t") != "hello" or not isinstance(given, str) or not given.isascii() \
                     or not hmac.compare_digest(given, mac(self.secret, conn.nonce)):
                 return False
-            modules = hello.get("modules", [])
-            if not isinstance(modules, list):
+            modules, nice = hello.get("modules", []), hello.get("nice", 0)
+            if not isinstance(modules, list) or type(nice) is not int:
                 return False
             conn.authed = True
-            safe, why, stale = self._warm([m for m in modules if isinstance(m, str)])
+            modules = [m for m in modules if isinstance(m, str)]
+            if nice > 0:  # for the next runs, once no rank of ours runs (``serve``)
+                self.later.update(m for m in modules if m not in sys.modules)
+                safe, why, stale = self.safe, self.why, self.retiring
+            else:
+                safe, why, stale = self._warm(modules)
             self._answer(conn.sock, {"t": "ready", "safe": safe, "why": why, "stale": stale,
                                      "rejected": self.rejected})
         elif msg.get("t") == "fork":

@@ -21,6 +21,12 @@ from nbdist.protocol import LaunchRequest, RankOutcome, RankStatus
 
 #: The task's name in Ray (its worker's process title while it runs: ``ray::RankHost``).
 TASK_NAME = "RankHost"
+#: What Ray sets differently in its worker processes (``RankSpec.volatile``): a worker started
+#: before the job has ``RAY_JOB_ID`` ffffffff and ``PYTHONIOENCODING``, one started for the job
+#: (after Ray reaped idle ones) has the job's id and not the other; a GPU task's
+#: ``CUDA_VISIBLE_DEVICES`` lists its own GPUs (the rank's are set by the rendezvous anyway).
+#: A node's zygote serves ranks of every worker; each rank has its own task's values.
+WORKER_VARS = ("RAY_JOB_ID", "PYTHONIOENCODING", "CUDA_VISIBLE_DEVICES")
 
 
 def where() -> dict[str, Any]:
@@ -71,7 +77,8 @@ def run_rank(launch: LaunchRequest, rank: int, host: str, node: str, gpus: tuple
     from nbdist.rank.task import supervise
 
     spec = RankSpec.for_rank(launch, rank, env=worker_pythonpath(), host=host, gpus=gpus,
-                             python=sys.executable, executor=node, scheduled=scheduled)
+                             python=sys.executable, executor=node, scheduled=scheduled,
+                             volatile=WORKER_VARS)
     # The worker stays after the task, but Ray kills its children when it goes (a cancel,
     # Ray's idle-worker reaping, ray.shutdown()): the zygote it leaves must be on its own.
     return supervise(spec, warm, launch.modules, settle=True).fields()

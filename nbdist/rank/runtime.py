@@ -151,6 +151,8 @@ _marked: set[str] = set()
 
 def _mark(name: str) -> None:
     """Stamp a moment of the launch timeline (``nbdist.timeline``) for the supervisor."""
+    if name == "imports" and not _AT_IMPORTS:
+        _AT_IMPORTS.update(sys.modules)
     if reporting.channel is not None and name not in _marked:
         _marked.add(name)
         reporting.channel.event({"t": "marks", "at": {name: time.time()}})
@@ -381,6 +383,9 @@ def _own_rss() -> int | None:
 
 #: Modules loaded before any payload or warm-up: what every fresh interpreter has anyway.
 _AT_START: set[str] = set()
+#: Modules loaded once the first payload's own imports were done (its "imports" mark): what
+#: the code imports later, lazily, is reported at any depth (``_imported_since``).
+_AT_IMPORTS: set[str] = set()
 
 
 def _warm(modules: list[str]) -> None:
@@ -395,6 +400,8 @@ def _warm(modules: list[str]) -> None:
 def _set_env(spec: EnvFrame) -> None:
     env = spec.get("env", {})
     threads_before = os.environ.get("OMP_NUM_THREADS")
+    for name in spec.get("unset", ()):
+        os.environ.pop(name, None)
     os.environ.update(env)
     if spec.get("cwd"):
         os.chdir(spec["cwd"])
@@ -445,18 +452,31 @@ def _size_thread_pools(threads: str) -> None:
         pass
 
 
-def _imported_since(before: set[str]) -> list[str]:
-    """Installed top-level packages imported since ``before`` (what to preload next time).
+def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]:
+    """Installed modules imported since ``before``: what a warm interpreter imports next time.
+
+    The top-level packages; of the modules imported after ``base`` (the interpreter's modules
+    once the payload's own imports were done: a forked rank's include its zygote's), those one
+    level down and, at any depth, those whose parent package was loaded at ``base``. Importing a
+    package does not import all it has: ``DistributedDataParallel(model)`` imports
+    ``torch._dynamo`` (835 modules, sympy among them: 1.4 s) on its first call, and a zygote
+    that imported ``torch`` alone left that to every rank it forked. Shallow names first, at
+    most ``MAX_REPORTED``.
 
     Only packages of the installation (``is_installed``) qualify: the user's own modules may be
     edited before the next run, and a warm interpreter would hold the old code.
     """
     dirs: list[str] | None = None
     names = []
-    for name in {n.partition(".")[0] for n in set(sys.modules) - before}:
-        if not name or name.startswith("_") or name == "__main__":
+    base = base or before
+    new = set(sys.modules) - before
+    later = new - base  # a submodule in ``base`` came with the payload's imports
+    for name in {n for n in new if "." not in n}.union(
+            n for n in later if n.count(".") == 1 or n.rpartition(".")[0] in base):
+        top = name.partition(".")[0]
+        if not top or top.startswith("_") or top == "__main__":
             continue
-        path = getattr(sys.modules.get(name), "__file__", None)
+        path = getattr(sys.modules.get(top), "__file__", None)
         if not isinstance(path, str):
             continue
         installed = _installed.get(path)
@@ -466,8 +486,13 @@ def _imported_since(before: set[str]) -> list[str]:
             installed = _installed[path] = is_installed(path, dirs)
         if installed:
             names.append(name)
-    return sorted(names)
+    names.sort(key=lambda n: (n.count("."), n))
+    return sorted(names[:MAX_REPORTED])
 
+
+#: The most module names a rank reports after its code (``_imported_since``): a fresh rank
+#: of a DDP function reports about 300 (6 kB), and the list travels to the zygote in one packet.
+MAX_REPORTED = 1000
 
 #: A module's file → whether it is installed (``_imported_since``): a session's rank asks
 #: after every cell, and following the symlinks of each path (``realpath``) took about half of
@@ -613,7 +638,7 @@ def _serve(inbox: queue.Queue[tuple[int, bytes] | None], chan: FrameWriter) -> N
                         return
                     continue
             finally:
-                chan.event({"t": "modules", "names": _imported_since(_AT_START)})
+                chan.event({"t": "modules", "names": _imported_since(_AT_START, _AT_IMPORTS)})
                 if payload.get("session"):
                     names: NamesEvent = {"t": "names", "names": session_names()}
                     rss = _own_rss()

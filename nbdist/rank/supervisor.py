@@ -40,6 +40,7 @@ from nbdist._timer import after
 from nbdist.lines import LineBatcher, cut_long_lines
 from nbdist.protocol import (
     DriverEvent,
+    EnvFrame,
     ErrorRecord,
     Frame,
     HelloEvent,
@@ -285,6 +286,11 @@ class RankSpec:
     #: When the backend scheduled the rank (``time.time()`` of its host: a Spark task's
     #: start), the launch timeline's ``scheduled`` mark; 0: when the supervisor starts.
     scheduled: float = 0.0
+    #: Variables of the host process that differ between its worker processes (Ray's
+    #: ``RAY_JOB_ID``: a worker started before the job has another): a rank has them as this
+    #: process has them, set or unset, also when it is forked from a zygote that another
+    #: worker started, so the zygote's key leaves them out (``executor_zygote.key``).
+    volatile: tuple[str, ...] = ()
 
     @classmethod
     def for_rank(cls, request: LaunchRequest, rank: int, *, env: dict[str, str] | None = None,
@@ -300,6 +306,17 @@ class RankSpec:
             run_id=request.run_id, world_env=dict(request.world_env), session=request.session,
             heartbeat_timeout=request.heartbeat_timeout, **where,
         )
+
+
+def env_frame(spec: RankSpec, world: dict[str, str]) -> EnvFrame:
+    """The rank's ``Frame.ENV``: its variables over what its interpreter has (a forked rank:
+    its zygote's environment, which matches this process's but for ``spec.volatile``)."""
+    frame: EnvFrame = {"env": {**spec.env, **world}, "cwd": spec.cwd or ""}
+    if spec.volatile:
+        here = environ()
+        frame["env"] = {**{k: here[k] for k in spec.volatile if k in here}, **frame["env"]}
+        frame["unset"] = [k for k in spec.volatile if k not in here and k not in frame["env"]]
+    return frame
 
 
 #: How a backend shares the ranks' hellos without the event channel: called by every rank with
@@ -388,6 +405,9 @@ class Supervisor:
         #: Called with each new mark's name, from the thread that made it (a backend's hook:
         #: Spark starts its executor's zygote once the rank has imported its modules).
         self.on_mark: Callable[[str], None] | None = None
+        #: Called with the modules the rank reports it imported, after its code (a backend's
+        #: hook: the executor's zygote imports them for the next run).
+        self.on_modules: Callable[[list[str]], None] | None = None
 
     # -- driver messages -----------------------------------------------------------------------
     def _on_message(self, msg: channel.Event) -> None:
@@ -652,7 +672,7 @@ class Supervisor:
         self.mark(timeline.SPAWNED)
         # The environment also travels as a frame: a warm interpreter was started before the
         # rendezvous and sets it itself before running anything of the user's.
-        env = json.dumps({"env": {**spec.env, **world}, "cwd": spec.cwd}).encode()
+        env = json.dumps(env_frame(spec, world)).encode()
         self._work.begin(rp, env)
         self._ctl_thread = threading.Thread(
             target=self._read_control, args=(rp,), daemon=True
@@ -725,28 +745,7 @@ class Supervisor:
         while (frame := rp.frames.get()) is not None:
             kind, body = frame
             if kind == Frame.EVENT:
-                try:
-                    event = json.loads(body)
-                except ValueError:
-                    continue
-                if event.get("t") == "warm":
-                    continue
-                if event.get("t") == "state" and event.get("state") == "ready":
-                    self._rank_pid = int(event.get("pid") or rp.pid)
-                    self._stacks_path = event.get("stacks") or None
-                    at = event.get("at")
-                    self.mark(timeline.READY, at if isinstance(at, (int, float)) else None)
-                if event.get("t") == "marks":  # the interpreter's (imports, end): first ones
-                    for name, at in timeline.clean(event.get("at") or {}).items():
-                        self.mark(name, at)
-                    continue
-                if event.get("t") == "result":
-                    self._result_type = str(event.get("type"))
-                    self._work.value(event, self._result_type)
-                elif event.get("t") == "modules":
-                    self.modules = [str(m) for m in event.get("names", ())]
-                else:
-                    self._forward(event)
+                self._rank_event(rp, body)
             elif kind == Frame.COLLECTIVES:
                 self._fr_dumps.put(body)
             elif kind == Frame.PIECE:
@@ -761,6 +760,34 @@ class Supervisor:
             elif kind == Frame.ERROR:
                 self._error = json.loads(body)
                 self.mark(timeline.RESULT)
+
+    def _rank_event(self, rp: RankProcess, body: bytes) -> None:
+        """An event of the interpreter's: kept here (its state, marks, result type, modules)
+        or forwarded to the driver."""
+        try:
+            event = json.loads(body)
+        except ValueError:
+            return
+        kind = event.get("t")
+        if kind == "warm":
+            return
+        if kind == "state" and event.get("state") == "ready":
+            self._rank_pid = int(event.get("pid") or rp.pid)
+            self._stacks_path = event.get("stacks") or None
+            at = event.get("at")
+            self.mark(timeline.READY, at if isinstance(at, (int, float)) else None)
+        if kind == "marks":  # the interpreter's (imports, end): first ones
+            for name, at in timeline.clean(event.get("at") or {}).items():
+                self.mark(name, at)
+        elif kind == "result":
+            self._result_type = str(event.get("type"))
+            self._work.value(event, self._result_type)
+        elif kind == "modules":
+            self.modules = [str(m) for m in event.get("names", ())]
+            if self.on_modules is not None:
+                self.on_modules(self.modules)
+        else:
+            self._forward(event)
 
     def _forward(self, event: Any) -> None:
         """An event of the interpreter's on to the driver: progress, metrics, its state, a

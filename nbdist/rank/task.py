@@ -76,7 +76,7 @@ def supervise(spec: Any, warm: tuple[str, str, float] | None, modules: tuple[str
     sup = Supervisor(spec, take=zygote_take(zygote, warm is not None, lambda: sup),
                      gather=gather)
     if zygote is not None:
-        sup.on_mark = zygote.on_mark
+        sup.on_mark, sup.on_modules = zygote.on_mark, zygote.report
     try:
         outcome = sup.run()
         if zygote is not None:

@@ -282,6 +282,70 @@ def test_later_runs_fork_their_ranks_from_each_nodes_zygote(on_ray: Any) -> None
     stop_ray_zygotes()
 
 
+def had_then_import(name: str) -> bool:
+    import importlib
+    import sys
+
+    had = name in sys.modules
+    importlib.import_module(name)
+    return had
+
+
+def test_a_nodes_zygote_loads_what_its_ranks_imported_lazily(on_ray: Any) -> None:
+    """What a rank imported as it ran (a subpackage its code does not name: DDP's
+    ``torch._dynamo``) is loaded in its node's zygote for the next runs: from the first run's
+    rank, which starts the zygote, and from a forked rank, which hands it over after it ends.
+    The zygote imports it once no rank of its runs, and stops for a task that connects
+    meanwhile: a run right after may not find it yet, a later one does."""
+    from .conftest import stop_ray_zygotes
+
+    def until_loaded(name: str) -> list[tuple[bool, bool]]:
+        runs: list[tuple[bool, bool]] = []  # (found loaded, forked) per run
+        for _ in range(8):
+            job = nbdist.run(had_then_import, name, np=2, backend="ray", gpu=False,
+                             timeout=240)
+            results = job.results
+            forked = [r.start for r in job.state.ranks] == ["forked", "forked"]
+            runs.append((results == [True, True], forked))
+            if runs[-1] == (True, True):
+                return runs
+        raise AssertionError(f"{name} was never found loaded in a forked rank: {runs}")
+
+    stop_ray_zygotes()
+    assert until_loaded("json.tool")[0] == (False, False)  # the first run starts fresh
+    # A forked rank imports it first: it hands it over to the zygote.
+    assert until_loaded("xmlrpc.client")[0] == (False, True)
+    stop_ray_zygotes()
+
+
+def parent_and_gpus() -> tuple[int, list[str], str]:
+    import os
+
+    return (os.getppid(), os.environ.get("CUDA_VISIBLE_DEVICES", "").split(","),
+            os.environ["NBDIST_GPU"])
+
+
+def test_ranks_of_gpu_tasks_fork_from_one_zygote_per_node(on_ray: Any) -> None:
+    """Ray gives each GPU task its own ``CUDA_VISIBLE_DEVICES``, and a worker started for the
+    job another ``RAY_JOB_ID`` than one started before it: a node's zygote serves them all
+    (``ray_host.WORKER_VARS``, left out of its key), and each forked rank sees its node's GPUs
+    as a fresh one does, its own among them."""
+    from .conftest import stop_ray_zygotes
+
+    stop_ray_zygotes()
+    for _ in range(6):
+        job = nbdist.run(parent_and_gpus, np=4, timeout=240)
+        results = job.results
+        if all(r.start == "forked" for r in job.state.ranks):
+            break
+    else:
+        raise AssertionError(f"no run was forked: {[r.start_why for r in job.state.ranks]}")
+    assert len({parent for parent, _, _ in results}) == 2, "not one zygote per node"
+    for _, visible, gpu in results:
+        assert sorted(visible) == ["0", "1"] and gpu in visible
+    stop_ray_zygotes()
+
+
 def host_pid() -> int:
     """The pid of the Ray worker running this rank's task (``ray::RankHost`` while it runs):
     a rank started fresh (no zygote) descends from it."""
