@@ -433,9 +433,12 @@ class ExecutorZygote:
         if starting:
             self._started.wait(WAIT_S)
         elif self._rank is not None:
-            if modules:
+            names = list(modules)  # shallow names first (``_imported_since``)
+            while len(json.dumps(names)) > _PACKET // 2:  # one packet, whatever the names
+                names = names[:len(names) // 2]
+            if names:
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                    self._hello(modules, LOW_NICE, HANDOVER_S).close()
+                    self._hello(names, LOW_NICE, HANDOVER_S).close()
             return None
         else:
             self.report(modules)

@@ -487,7 +487,7 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
         if installed:
             names.append(name)
     names.sort(key=lambda n: (n.count("."), n))
-    return sorted(names[:MAX_REPORTED])
+    return names[:MAX_REPORTED]
 
 
 #: The most module names a rank reports after its code (``_imported_since``): a fresh rank
