@@ -498,7 +498,7 @@ def test_a_rank_reports_the_subpackages_it_imported_lazily(
     """Importing a package does not import all it has (DDP imports ``torch._dynamo`` on its
     first call): a rank reports the top-level packages, their subpackages one level down,
     and, at any depth, what it imported after its payload's imports under a package loaded
-    then; not what importing a package it reports brings anyway."""
+    then; not what importing a package it reports brings anyway. In the order imported."""
     import importlib
 
     from nbdist.rank import runtime
@@ -521,10 +521,10 @@ def test_a_rank_reports_the_subpackages_it_imported_lazily(
         importlib.import_module("nbdist_lazypkg.sub.deep.deeper")  # lazily, later
         importlib.import_module("nbdist_lazypkg.other")
         mine = [n for n in runtime._imported_since(before, base) if n.startswith("nbdist_")]
-        assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.other", "nbdist_lazypkg.sub.deep"]
+        assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.sub.deep", "nbdist_lazypkg.other"]
         # Without the payload's moment (a fresh rank of a function): one level down only.
         mine = [n for n in runtime._imported_since(before) if n.startswith("nbdist_")]
-        assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.other", "nbdist_lazypkg.sub"]
+        assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.sub", "nbdist_lazypkg.other"]
     finally:
         for name in [n for n in sys.modules if n.startswith("nbdist_lazypkg")]:
             del sys.modules[name]

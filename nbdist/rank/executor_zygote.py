@@ -28,10 +28,11 @@ proves the secret a connection is not work for the idle timer.
 One packet per JSON object (``SOCK_SEQPACKET``): zygote → ``challenge``; task → ``hello``
 (mac, modules to import) → ``ready``; task → ``fork`` with the rank's four pipes (SCM_RIGHTS)
 → ``forked``; later ``exit`` with the rank's exit code (the zygote is its parent and guardian).
-After its rank a task hands over, on a connection of its own, what the rank imported (lazily
-imported subpackages too): a ``hello`` with ``nice``. The zygote imports that (and what the
-first rank reported, given at its start) at nice 19 once no rank forked here runs, one module
-at a time, and stops for a task that connects meanwhile (``_Server._warm_later``).
+A task whose rank was forked hands over, on a connection of its own, what the rank reports it
+imported (lazily imported subpackages too; the report comes after the rank's code, before it
+ends): a ``hello`` with ``nice``. The zygote imports that (and what the first rank reported,
+given at its start) at nice 19 once no rank forked here runs and no task is connected, one
+module at a time, and stops for a task that connects meanwhile (``_Server._warm_later``).
 Both ends are in this module and the messages are typed below (``TaskMsg``, ``ExecutorZygoteMsg``;
 ``forked`` and ``exit`` are the local zygote's); the task that starts a zygote gives it an
 ``ExecutorConfig`` on its stdin.
@@ -88,8 +89,8 @@ LOW_NICE = 19
 #: The longest the start of a zygote, once the rank's code returned, waits for the rank to
 #: say what it imported (it does at once; a rank that died says nothing).
 REPORT_WAIT_S = 5.0
-#: The longest a task waits for the executor's zygote to take its rank's modules after the
-#: rank (``leave_behind``): the zygote answers at once and imports them later.
+#: The longest a task waits for the executor's zygote to take its rank's modules (``report``):
+#: the zygote answers at once and imports them later.
 HANDOVER_S = 2.0
 #: A connection must send its hello this soon after it is accepted, or it is closed (and
 #: counted in ``_Server.rejected``): a task sends it as soon as it reads the challenge. Until
@@ -261,6 +262,8 @@ class ExecutorZygote:
         self._starting = False
         self._started = threading.Event()
         self._reported = threading.Event()  # the rank said what it imported, or cannot
+        self._handed: set[str] = set()  # modules handed over to the zygote (``report``)
+        self._handing: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     # -- connecting ------------------------------------------------------------------------------
@@ -409,12 +412,32 @@ class ExecutorZygote:
 
     def report(self, modules: list[str]) -> None:
         """The supervisor's hook: the modules the rank says it imported (``runtime``'s
-        ``_imported_since``: lazily imported subpackages too). A zygote this task starts
-        imports them after the job's own (``ExecutorConfig.later``); its start waits for them
-        (``REPORT_WAIT_S``)."""
+        ``_imported_since``: lazily imported subpackages too), after its code, before it
+        ends. A zygote this task starts imports them after the job's own
+        (``ExecutorConfig.later``); its start waits for them (``REPORT_WAIT_S``). A rank forked
+        from the zygote hands them over to it now, in the background, while the rank still
+        runs: the zygote, which imports nothing while a rank of its runs, answers at once."""
         with self._lock:
-            self._later = sorted(set(modules) | set(self._later))
+            self._later = list(dict.fromkeys([*self._later, *modules]))
+            new = [m for m in modules if m not in self._handed]
+            self._handed.update(new)
+            forked = self._rank is not None
         self._reported.set()
+        if forked and new:
+            thread = threading.Thread(target=self._hand_over, args=(new,), daemon=True,
+                                      name="nbdist-executor-zygote-hand-over")
+            self._handing = [t for t in self._handing if t.is_alive()] + [thread]
+            thread.start()
+
+    def _hand_over(self, modules: list[str]) -> None:
+        """Give the zygote ``modules`` for the next runs (``HelloMsg`` with ``nice``), in one
+        packet whatever the names (the first ones imported come first: ``_imported_since``)."""
+        names = list(modules)
+        while len(json.dumps(names)) > _PACKET // 2:
+            names = names[:len(names) // 2]
+        if names:
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                self._hello(names, LOW_NICE, HANDOVER_S).close()
 
     def leave_behind(self, modules: list[str], settle: bool = False) -> int | None:
         """After the rank: when no zygote was started for the next tasks yet (the rank never
@@ -425,7 +448,7 @@ class ExecutorZygote:
         Ray actor is killed, with its children, as soon as it returns. A rank forked from
         the zygote hands it ``modules`` instead, for the next runs (``HelloMsg``): what the
         rank imported that the zygote had not (``torch._dynamo``, which DDP imports lazily,
-        took every forked rank 1.4 s)."""
+        took every forked rank 1.4 s), as it reports them (``report``)."""
         self._connected.wait(WAIT_S)
         self._reported.set()
         with self._lock:
@@ -433,12 +456,8 @@ class ExecutorZygote:
         if starting:
             self._started.wait(WAIT_S)
         elif self._rank is not None:
-            names = list(modules)  # shallow names first (``_imported_since``)
-            while len(json.dumps(names)) > _PACKET // 2:  # one packet, whatever the names
-                names = names[:len(names) // 2]
-            if names:
-                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                    self._hello(names, LOW_NICE, HANDOVER_S).close()
+            for thread in self._handing:  # the hand-overs the reports started
+                thread.join(HANDOVER_S)
             return None
         else:
             self.report(modules)
@@ -575,7 +594,7 @@ class _Server:
         #: Modules a task handed over after its rank (``HelloMsg`` with ``nice``), imported at
         #: ``LOW_NICE`` once no rank forked here runs: an import blocks this loop, and with it
         #: the exit of a rank that is still running, which its job waits for.
-        self.later: set[str] = set()
+        self.later: dict[str, None] = {}  # in the order the ranks imported them
         self.idle_since = time.monotonic()
         self.pidfds: list[int] = []
         for pid in config.get("watch", []):
@@ -607,7 +626,7 @@ class _Server:
             _sweep(os.path.dirname(self.path))
         self.safe, self.why = True, ""
         self._warm(list(config.get("modules", [])), int(config.get("nice") or 0))
-        self.later.update(str(m) for m in config.get("later", []) if m not in sys.modules)
+        self.later.update((str(m), None) for m in config.get("later", []) if m not in sys.modules)
 
     def _warm(self, modules: list[str], nice: int = 0,
               until: Callable[[], bool] | None = None) -> tuple[bool, str, bool]:
@@ -628,8 +647,8 @@ class _Server:
                 import_modules(new, nice)
             else:
                 for i, name in enumerate(new):
-                    if until():
-                        self.later.update(new[i:])
+                    if until():  # the rest first, next time
+                        self.later = {**dict.fromkeys(new[i:]), **self.later}
                         break
                     if name not in sys.modules:  # or a package imported before brought it
                         import_modules([name], nice)
@@ -640,12 +659,15 @@ class _Server:
     def serve(self) -> None:
         self.idle_since = time.monotonic()  # idle from when its first imports are done
         while True:
-            # What the ranks reported they imported, once none of them runs; one module at a
-            # time, and a task that connects meanwhile is served first (``_warm_later``).
-            later = bool(self.later) and not (self.ranks or self.deferred or self.retiring)
+            # What the ranks reported they imported, once none of them runs and no task is
+            # connected; one module at a time, and a task that connects meanwhile is served
+            # first (``_warm_later``).
+            tasks = any(c.authed for c in self.conns.values())
+            later = bool(self.later) and not (self.ranks or self.deferred or self.retiring
+                                              or tasks)
             # Only a task that proved the secret, or a rank, is work: a stranger that connects
             # and says nothing keeps no idle zygote alive (it is cut at its hello's deadline).
-            busy = later or bool(self.ranks) or any(c.authed for c in self.conns.values())
+            busy = later or bool(self.ranks) or tasks
             if busy:
                 self.idle_since = time.monotonic()
             elif self.retiring or time.monotonic() - self.idle_since >= self.idle_s:
@@ -677,10 +699,11 @@ class _Server:
                 self._warm_later()
 
     def _warm_later(self) -> None:
-        """Import ``later`` at ``LOW_NICE``, shallow names first (a package brings most of its
-        subpackages), until a task or a rank needs the loop: an import holds it, and with it
-        the exit of a rank still running, which its job waits for, and a task's fork."""
-        todo, self.later = sorted(self.later, key=lambda m: (m.count("."), m)), set()
+        """Import ``later`` at ``LOW_NICE``, in the order the ranks imported them (the first
+        ones bring most of the rest), until a task or a rank needs the loop: an import holds
+        it, and with it the exit of a rank still running, which its job waits for, and a
+        task's fork."""
+        todo, self.later = list(self.later), {}
         self._warm(todo, LOW_NICE, until=lambda: bool(self.sel.select(0)))
         self.idle_since = time.monotonic()  # idle from the end of its imports
 
@@ -764,7 +787,7 @@ class _Server:
             conn.authed = True
             modules = [m for m in modules if isinstance(m, str)]
             if nice > 0:  # for the next runs, once no rank of ours runs (``serve``)
-                self.later.update(m for m in modules if m not in sys.modules)
+                self.later.update((m, None) for m in modules if m not in sys.modules)
                 safe, why, stale = self.safe, self.why, self.retiring
             else:
                 safe, why, stale = self._warm(modules)

@@ -460,8 +460,9 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
     level down and, at any depth, those whose parent package was loaded at ``base``. Importing a
     package does not import all it has: ``DistributedDataParallel(model)`` imports
     ``torch._dynamo`` (835 modules, sympy among them: 1.4 s) on its first call, and a zygote
-    that imported ``torch`` alone left that to every rank it forked. Shallow names first, at
-    most ``MAX_REPORTED``.
+    that imported ``torch`` alone left that to every rank it forked. In the order they were
+    imported (a zygote importing them in turn finds most of them loaded by the first ones),
+    at most ``MAX_REPORTED`` (the shallowest).
 
     Only packages of the installation (``is_installed``) qualify: the user's own modules may be
     edited before the next run, and a warm interpreter would hold the old code.
@@ -469,7 +470,8 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
     dirs: list[str] | None = None
     names = []
     base = base or before
-    new = set(sys.modules) - before
+    order = list(sys.modules)  # the order they were imported in
+    new = set(order) - before
     later = new - base  # a submodule in ``base`` came with the payload's imports
     for name in {n for n in new if "." not in n}.union(
             n for n in later if n.count(".") == 1 or n.rpartition(".")[0] in base):
@@ -486,8 +488,10 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
             installed = _installed[path] = is_installed(path, dirs)
         if installed:
             names.append(name)
-    names.sort(key=lambda n: (n.count("."), n))
-    return names[:MAX_REPORTED]
+    if len(names) > MAX_REPORTED:
+        names = sorted(names, key=lambda n: (n.count("."), n))[:MAX_REPORTED]
+    chosen = set(names)
+    return [n for n in order if n in chosen]
 
 
 #: The most module names a rank reports after its code (``_imported_since``): a fresh rank

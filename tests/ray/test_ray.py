@@ -294,9 +294,9 @@ def had_then_import(name: str) -> bool:
 def test_a_nodes_zygote_loads_what_its_ranks_imported_lazily(on_ray: Any) -> None:
     """What a rank imported as it ran (a subpackage its code does not name: DDP's
     ``torch._dynamo``) is loaded in its node's zygote for the next runs: from the first run's
-    rank, which starts the zygote, and from a forked rank, which hands it over after it ends.
-    The zygote imports it once no rank of its runs, and stops for a task that connects
-    meanwhile: a run right after may not find it yet, a later one does."""
+    rank, which starts the zygote, and from a forked rank, whose task hands it over as the rank
+    reports it. The zygote imports it once no rank of its runs, and stops for a task that
+    connects meanwhile: a run right after may not find it yet, a later one does."""
     from .conftest import stop_ray_zygotes
 
     def until_loaded(name: str) -> list[tuple[bool, bool]]:
