@@ -333,6 +333,10 @@ def zygote_malformed(secret: str) -> list[tuple[str, Payload, int]]:
          signed(b"[" * 5000 + b"]" * 5000), 0),
         ("a hello of the right MAC whose modules are not a list", signed(b"7"), 0),
         ("a hello of the right MAC whose modules are a dict", signed(b'{"torch":1}'), 0),
+        # A hand-over (``nice``: imported later) of the wrong type: closed, nothing queued.
+        ("a hand-over of the right MAC whose nice is a string", signed(b'[],"nice":"19"'), 0),
+        ("a hand-over of the right MAC whose nice is a float", signed(b'["json"],"nice":1.5'),
+         0),
     ]
     return cases
 
