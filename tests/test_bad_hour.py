@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from IPython.core.error import UsageError
 
@@ -17,6 +18,7 @@ import nbdist
 from nbdist import job as jobs
 from nbdist import logfiles
 from nbdist.errors import DistributedError
+from nbdist.launch import local
 from nbdist.rank import death
 from nbdist.settings import settings
 from nbdist.views import status
@@ -133,6 +135,62 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_peak_memory(tmp_path: Path)
     r1 = job.state.ranks[1]
     assert r1.end.startswith("killed by SIGKILL, peak RSS") and (r1.peak_rss or 0) > 120e6
     assert "out-of-memory" not in str(job.error)
+
+
+def _segfaults_in_a_collective(gate: Gate) -> int:
+    import os
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print("in the group", flush=True)
+    if dist.get_rank() == 0:
+        gate.wait()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.all_reduce(t)  # rank 1: "Connection closed by peer" as rank 0 dies
+    return 1
+
+
+@pytest.mark.slow
+@pytest.mark.fresh_pool
+@pytest.mark.timeout(180)
+def test_a_rank_whose_death_is_told_after_the_stop_it_caused_failed_and_was_not_stopped(
+        gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stop that rank 1's "Connection closed by peer" causes can reach rank 0's
+    supervisor before rank 0's own death by SIGSEGV does (its parent reaps it and tells, a
+    beat later on a busy machine: held here with SIGSTOP). Rank 0 is still the rank that
+    failed, killed by SIGSEGV, not a rank nbdist stopped."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(local, "ZYGOTE", False)  # each rank's parent: its own guardian
+    job = nbdist.run(_segfaults_in_a_collective, gate, np=2, backend="local")
+    wait_for(lambda: all(r.last_line == "in the group" for r in job.state.ranks), 120,
+             "both ranks in the process group")
+    launcher = job.launcher
+    assert isinstance(launcher, local.LocalLauncher)
+    guardian = psutil.Process(job.state.ranks[0].pid)
+    (rank0,) = guardian.children()
+    guardian.suspend()  # rank 0's end is not reaped, nor told to its supervisor, until resumed
+    try:
+        gate.open()
+        wait_for(lambda: rank0.status() == psutil.STATUS_ZOMBIE, 60, "rank 0's death")
+        # Rank 1's failure was heard (its guardian was not held) and both supervisors were
+        # told to stop, while rank 0's end is still to be told.
+        wait_for(lambda: all(s._cancelled.is_set() for s in launcher._supervisors), 60,
+                 "the stop that rank 1's failure causes")
+        assert guardian.is_running()
+    finally:
+        guardian.resume()
+    with pytest.raises(DistributedError) as caught:
+        job.result(timeout=60)
+    err = caught.value
+    assert str(err).startswith("rank 0 of 2 failed: rank 0 was killed by SIGSEGV"), str(err)
+    assert "nbdist stopped" not in str(err), str(err)
+    assert sorted(err.failures) == [0, 1]
+    assert job.state.ranks[0].status == "failed"
 
 
 def test_an_old_oom_record_of_a_reused_pid_is_not_this_ranks(tmp_path: Path) -> None:

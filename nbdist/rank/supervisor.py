@@ -375,6 +375,9 @@ class Supervisor:
         self._world = threading.Event()
         self._world_env: dict[str, str] = {}
         self._cancelled = threading.Event()
+        #: Whether a cancel signalled the rank while it was alive: a rank that died before
+        #: the cancel came (the cancel its own death caused) failed, it was not stopped.
+        self._stopped_alive = False
         self._cancelled_before_exit = False  # set when the rank ends (_watch)
         self._lock = threading.Lock()
         self._proc: Proc | None = None
@@ -689,10 +692,11 @@ class Supervisor:
         for t in pumps:
             t.start()
         code = proc.wait()
-        # Whether nbdist had asked the rank to stop before it ended: a rank that died on its
-        # own before a cancel came (the cancel another rank's failure caused) failed, it was
-        # not stopped.
-        self._cancelled_before_exit = self._cancelled.is_set()
+        # Whether nbdist had stopped the rank before it ended: a rank that died on its own
+        # before a cancel came (the cancel another rank's failure caused) failed, it was not
+        # stopped. The cancel can reach this supervisor before the rank's end does (a zygote's
+        # fork is reported by the zygote, a beat later), so it looks at the rank itself.
+        self._cancelled_before_exit = self._stopped_alive
         self.mark(timeline.EXIT)
         # Whatever the rank left in its group (servers, data loader workers) goes with it; this
         # also closes the pipes those processes inherited, so the pumps reach end of file.
@@ -962,8 +966,9 @@ class Supervisor:
                 return
             self._cancelled.set()
             proc = self._proc
-        if proc is None or proc.poll() is not None:
+        if proc is None or proc.poll() is not None or _ended(self._rank_pid_now()):
             return
+        self._stopped_alive = True
         # Remember the rank's descendants now: once SIGTERM ends the rank, those that left
         # its process group (setsid) can no longer be found through it.
         self._escapees = _descendants(proc.pid)
@@ -1035,6 +1040,29 @@ def _reserve_port() -> socket.socket | None:
             continue
         return sock
     return None  # no TF_CONFIG for this job, which only TensorFlow's own jobs would miss
+
+
+def _ended(pid: int | None) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie its parent has not reaped yet);
+    False for None (not known yet)."""
+    if pid is None:
+        return False
+    try:
+        import psutil
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
 
 
 def _descendants(pid: int) -> list[Any]:
