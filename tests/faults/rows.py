@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import socket
 import textwrap
 from collections.abc import Callable
@@ -237,6 +238,9 @@ def output_flood(target: Target, mib: int) -> None:
     assert r.lines > mib * 1024 and len(r.log) == nbdist.state.LOG_LINES
     grown = psutil.Process().memory_info().rss - rss_before
     assert grown < 200 * 1024 * 1024, f"driver grew by {grown / 1e6:.0f} MB"
+    # The flood's log file (hundreds of MB) goes: left in the temporary folder, run after
+    # run, the suite's floods filled a machine's disk.
+    shutil.rmtree(str(job.state.log_dir), ignore_errors=True)
 
 
 def strangers_are_rejected(target: Target, tmp_path: Path) -> None:

@@ -50,8 +50,10 @@ def test_spark_recorder_off_and_no_collective_say_nothing(spark_local: SparkSess
 
 
 def test_dist_check_on_spark_names_the_slow_rank(spark_local: SparkSession) -> None:
-    """``%dist_check``'s engine on 2 Spark ranks, rank 1 made slow: named at the end."""
+    """``%dist_check``'s engine on 2 Spark ranks, rank 1 made slow: named as the slowest
+    (among the other problems a machine may have: little free disk, a skewed clock)."""
     got = check.run_check(2, backend="spark", env={"NBDIST_CHECK_DELAY": "1:0.3"},
                           largest=64 << 10)
     assert len(got.rows) == 2, got.text()
-    assert got.problems and got.problems[-1].startswith("rank 1 on "), got.text()
+    slowest = [p for p in got.problems if "is the slowest" in p]
+    assert len(slowest) == 1 and slowest[0].startswith("rank 1 on "), got.text()
