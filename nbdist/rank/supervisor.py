@@ -375,10 +375,12 @@ class Supervisor:
         self._world = threading.Event()
         self._world_env: dict[str, str] = {}
         self._cancelled = threading.Event()
-        #: Whether a cancel signalled the rank while it was alive: a rank that died before
-        #: the cancel came (the cancel its own death caused) failed, it was not stopped.
+        #: Whether a cancel signalled the rank while it was alive: a rank that died on its
+        #: own before a cancel came (the cancel another rank's failure caused) failed, it was
+        #: not stopped. The cancel can reach this supervisor before the rank's end does (a
+        #: zygote's fork is reaped and told by the zygote, a beat later), so :meth:`cancel`
+        #: looks at the rank's process itself.
         self._stopped_alive = False
-        self._cancelled_before_exit = False  # set when the rank ends (_watch)
         self._lock = threading.Lock()
         self._proc: Proc | None = None
         self._result: bytes | None = None
@@ -630,7 +632,7 @@ class Supervisor:
             peak_rss=self._sampler.peak_rss if self._sampler is not None else None,
             ended=self.marks.get(timeline.RESULT, self.marks.get(timeline.EXIT)),
         )
-        stopped = self._cancelled_before_exit
+        stopped = self._stopped_alive
         if code == -signal.SIGKILL and self._result is None and not stopped:
             kill = self._oom.killed(self._rank_pid_now())
             if kill is not None:
@@ -692,11 +694,6 @@ class Supervisor:
         for t in pumps:
             t.start()
         code = proc.wait()
-        # Whether nbdist had stopped the rank before it ended: a rank that died on its own
-        # before a cancel came (the cancel another rank's failure caused) failed, it was not
-        # stopped. The cancel can reach this supervisor before the rank's end does (a zygote's
-        # fork is reported by the zygote, a beat later), so it looks at the rank itself.
-        self._cancelled_before_exit = self._stopped_alive
         self.mark(timeline.EXIT)
         # Whatever the rank left in its group (servers, data loader workers) goes with it; this
         # also closes the pipes those processes inherited, so the pumps reach end of file.
