@@ -525,6 +525,10 @@ def test_a_rank_reports_the_subpackages_it_imported_lazily(
         # Without the payload's moment (a fresh rank of a function): one level down only.
         mine = [n for n in runtime._imported_since(before) if n.startswith("nbdist_")]
         assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.sub", "nbdist_lazypkg.other"]
+        # What is never imported ahead (torch._dynamo), and all the rank imported after it.
+        monkeypatch.setattr(runtime, "NOT_AHEAD", ("nbdist_lazypkg.sub.deep",))
+        mine = [n for n in runtime._imported_since(before, base) if n.startswith("nbdist_")]
+        assert mine == ["nbdist_lazypkg"]
     finally:
         for name in [n for n in sys.modules if n.startswith("nbdist_lazypkg")]:
             del sys.modules[name]
@@ -538,6 +542,33 @@ def had_then_import(name: str) -> dict[str, object]:
     had = name in sys.modules
     importlib.import_module(name)
     return {"had": had, "parent": os.getppid()}
+
+
+def imports_in_turn(names: list[str]) -> dict[str, bool]:
+    import importlib
+    import sys
+
+    had = {name: name in sys.modules for name in names}
+    for name in names:
+        importlib.import_module(name)
+    return had
+
+
+@pytest.mark.slow
+def test_the_next_job_does_not_find_torch_dynamo_loaded_nor_what_came_after_it() -> None:
+    """``torch._dynamo``, which DDP's constructor imports, is not loaded ahead in the zygote
+    (loaded before ``init_process_group`` it made DDP's teardown hang in torch: see
+    ``runtime.NOT_AHEAD``), nor what the ranks imported after it; what they imported before
+    it is."""
+    pytest.importorskip("torch")
+    names = ["xmlrpc.client", "torch._dynamo", "json.tool"]
+    first = nbdist.run(imports_in_turn, names, np=2, gpu=False).results
+    assert first == [dict.fromkeys(names, False)] * 2
+    again = nbdist.run(imports_in_turn, names, np=2, gpu=False)
+    assert again.results == [{"xmlrpc.client": True, "torch._dynamo": False,
+                              "json.tool": False}] * 2
+    assert [r.start for r in again.state.ranks] == ["forked", "forked"], [
+        r.start_why for r in again.state.ranks]
 
 
 def test_the_next_job_finds_loaded_what_a_rank_imported_lazily() -> None:

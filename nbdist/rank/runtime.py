@@ -458,14 +458,14 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
     The top-level packages; of the modules imported after ``base`` (the interpreter's modules
     once the payload's own imports were done: a forked rank's include its zygote's), those one
     level down and, at any depth, those whose parent package was loaded at ``base``. Importing a
-    package does not import all it has: ``DistributedDataParallel(model)`` imports
-    ``torch._dynamo`` (835 modules, sympy among them: 1.4 s) on its first call, and a zygote
-    that imported ``torch`` alone left that to every rank it forked. In the order they were
-    imported (a zygote importing them in turn finds most of them loaded by the first ones),
-    at most ``MAX_REPORTED`` (the shallowest).
+    package does not import all it has, and a zygote that imported ``torch`` alone left the
+    rest to every rank it forked. In the order they were imported (a zygote importing them in
+    turn finds most of them loaded by the first ones), at most ``MAX_REPORTED`` (the
+    shallowest).
 
     Only packages of the installation (``is_installed``) qualify: the user's own modules may be
-    edited before the next run, and a warm interpreter would hold the old code.
+    edited before the next run, and a warm interpreter would hold the old code. Of what came
+    after the payload's imports, nothing from the first module of ``NOT_AHEAD`` on qualifies.
     """
     dirs: list[str] | None = None
     names = []
@@ -473,6 +473,11 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
     order = list(sys.modules)  # the order they were imported in
     new = set(order) - before
     later = new - base  # a submodule in ``base`` came with the payload's imports
+    cut = next((i for i, n in enumerate(order) if n in later and _not_ahead(n)), None)
+    if cut is not None:
+        dropped = later.intersection(order[cut:])
+        later -= dropped
+        new -= dropped
     for name in {n for n in new if "." not in n}.union(
             n for n in later if n.count(".") == 1 or n.rpartition(".")[0] in base):
         top = name.partition(".")[0]
@@ -492,6 +497,22 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
         names = sorted(names, key=lambda n: (n.count("."), n))[:MAX_REPORTED]
     chosen = set(names)
     return [n for n in order if n in chosen]
+
+
+#: What a zygote never imports ahead of a rank's code when the rank imported it as its code
+#: ran, nor anything the rank imported after it (its own imports): ``torch._dynamo``, which
+#: DDP's constructor imports. Loaded before ``init_process_group``, it made the end of a
+#: common DDP function (``destroy_process_group()``, then return with the model alive) hang in
+#: torch's teardown in about one later run in five: the DDP reducer's process group is freed
+#: with the GIL held, and gloo's worker thread, freeing the last collective's work, waits for
+#: the GIL (pytorch#56297); a fresh rank, which imports it in the constructor, did not hang in
+#: 32 runs (docs/magics.md#warm-ranks-the-second-run-starts-fast). A rank whose own imports
+#: bring it gets it ahead, as a fresh interpreter does.
+NOT_AHEAD = ("torch._dynamo",)
+
+
+def _not_ahead(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in NOT_AHEAD)
 
 
 #: The most module names a rank reports after its code (``_imported_since``): a fresh rank

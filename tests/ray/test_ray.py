@@ -292,8 +292,8 @@ def had_then_import(name: str) -> bool:
 
 
 def test_a_nodes_zygote_loads_what_its_ranks_imported_lazily(on_ray: Any) -> None:
-    """What a rank imported as it ran (a subpackage its code does not name: DDP's
-    ``torch._dynamo``) is loaded in its node's zygote for the next runs: from the first run's
+    """What a rank imported as it ran (a subpackage its code does not name) is loaded in its
+    node's zygote for the next runs: from the first run's
     rank, which starts the zygote, and from a forked rank, whose task hands it over as the rank
     reports it. The zygote imports it once no rank of its runs, and stops for a task that
     connects meanwhile: a run right after may not find it yet, a later one does."""
