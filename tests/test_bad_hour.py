@@ -23,7 +23,7 @@ from nbdist.rank import death
 from nbdist.settings import settings
 from nbdist.views import status
 
-from .helpers import Gate, running_job, wait_for
+from .helpers import GONE_WITHIN_S, Gate, running_job, wait_for
 
 
 def test_tail_reads_the_last_lines_across_blocks(tmp_path: Path) -> None:
@@ -147,6 +147,11 @@ def _segfaults_in_a_collective(gate: Gate) -> int:
     dist.init_process_group("gloo")
     t = torch.ones(1)
     dist.all_reduce(t)
+    if dist.get_rank() == 0:
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "600"])  # in the rank's process group
+        print("child", child.pid, flush=True)
     print("in the group", flush=True)
     if dist.get_rank() == 0:
         gate.wait()
@@ -169,6 +174,8 @@ def test_a_rank_whose_death_is_told_after_the_stop_it_caused_failed_and_was_not_
     job = nbdist.run(_segfaults_in_a_collective, gate, np=2, backend="local")
     wait_for(lambda: all(r.last_line == "in the group" for r in job.state.ranks), 120,
              "both ranks in the process group")
+    (child,) = [int(ln.text.split()[1]) for ln in job.state.ranks[0].log
+                if ln.text.startswith("child ")]
     launcher = job.launcher
     assert isinstance(launcher, local.LocalLauncher)
     guardian = psutil.Process(job.state.ranks[0].pid)
@@ -191,6 +198,10 @@ def test_a_rank_whose_death_is_told_after_the_stop_it_caused_failed_and_was_not_
     assert "nbdist stopped" not in str(err), str(err)
     assert sorted(err.failures) == [0, 1]
     assert job.state.ranks[0].status == "failed"
+    # Not signalled by the stop (it had died), its process group still went with it.
+    wait_for(lambda: not psutil.pid_exists(child) or
+             psutil.Process(child).status() == psutil.STATUS_ZOMBIE, GONE_WITHIN_S,
+             "rank 0's child to die with it")
 
 
 def test_an_old_oom_record_of_a_reused_pid_is_not_this_ranks(tmp_path: Path) -> None:
