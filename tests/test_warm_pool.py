@@ -508,10 +508,17 @@ def test_a_rank_reports_the_subpackages_it_imported_lazily(
         folder.mkdir()
         (folder / "__init__.py").write_text("")
     (pkg / "sub" / "deep" / "deeper.py").write_text("")
+    # Two packages a rank imports after a module that is not imported ahead: one that refers
+    # to that module's package (as a library that imports torch), one that does not (sympy).
+    for name, text in (("nbdist_lazytied", "from nbdist_lazypkg.sub import deep\n"),
+                       ("nbdist_lazyfree", "")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(text)
+        (tmp_path / name / "part.py").write_text("import json\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(runtime, "_installed", {})  # as if installed: judged by its file
     monkeypatch.setattr(runtime, "is_installed", lambda path, dirs: True)
-    names = [n for n in sys.modules if n.startswith("nbdist_lazypkg")]
+    names = [n for n in sys.modules if n.startswith("nbdist_lazy")]
     for name in names:
         monkeypatch.delitem(sys.modules, name)
     before = set(sys.modules)
@@ -525,12 +532,15 @@ def test_a_rank_reports_the_subpackages_it_imported_lazily(
         # Without the payload's moment (a fresh rank of a function): one level down only.
         mine = [n for n in runtime._imported_since(before) if n.startswith("nbdist_")]
         assert mine == ["nbdist_lazypkg", "nbdist_lazypkg.sub", "nbdist_lazypkg.other"]
-        # What is never imported ahead (torch._dynamo), and all the rank imported after it.
+        # What is never imported ahead (torch._dynamo), and what the rank imported after it
+        # of its package or of a package that refers to it; not what does not.
         monkeypatch.setattr(runtime, "NOT_AHEAD", ("nbdist_lazypkg.sub.deep",))
+        for name in ("nbdist_lazytied.part", "nbdist_lazyfree.part"):
+            importlib.import_module(name)
         mine = [n for n in runtime._imported_since(before, base) if n.startswith("nbdist_")]
-        assert mine == ["nbdist_lazypkg"]
+        assert mine == ["nbdist_lazypkg", "nbdist_lazyfree", "nbdist_lazyfree.part"]
     finally:
-        for name in [n for n in sys.modules if n.startswith("nbdist_lazypkg")]:
+        for name in [n for n in sys.modules if n.startswith("nbdist_lazy")]:
             del sys.modules[name]
 
 
@@ -558,15 +568,15 @@ def imports_in_turn(names: list[str]) -> dict[str, bool]:
 def test_the_next_job_does_not_find_torch_dynamo_loaded_nor_what_came_after_it() -> None:
     """``torch._dynamo``, which DDP's constructor imports, is not loaded ahead in the zygote
     (loaded before ``init_process_group`` it made DDP's teardown hang in torch: see
-    ``runtime.NOT_AHEAD``), nor what the ranks imported after it; what they imported before
-    it is."""
+    ``runtime.NOT_AHEAD``), nor what of torch the ranks imported after it; what they imported
+    before it is, and after it what does not touch torch (sympy, which it imports itself)."""
     pytest.importorskip("torch")
-    names = ["xmlrpc.client", "torch._dynamo", "json.tool"]
+    names = ["xmlrpc.client", "torch._dynamo", "json.tool", "torch.utils.benchmark", "sympy"]
     first = nbdist.run(imports_in_turn, names, np=2, gpu=False).results
-    assert first == [dict.fromkeys(names, False)] * 2
+    assert [r["torch._dynamo"] for r in first] == [False, False]
     again = nbdist.run(imports_in_turn, names, np=2, gpu=False)
-    assert again.results == [{"xmlrpc.client": True, "torch._dynamo": False,
-                              "json.tool": False}] * 2
+    assert again.results == [{"xmlrpc.client": True, "torch._dynamo": False, "json.tool": True,
+                              "torch.utils.benchmark": False, "sympy": True}] * 2
     assert [r.start for r in again.state.ranks] == ["forked", "forked"], [
         r.start_why for r in again.state.ranks]
 

@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -475,7 +476,7 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
     later = new - base  # a submodule in ``base`` came with the payload's imports
     cut = next((i for i, n in enumerate(order) if n in later and _not_ahead(n)), None)
     if cut is not None:
-        dropped = later.intersection(order[cut:])
+        dropped = _tied_to_not_ahead(later.intersection(order[cut:]))
         later -= dropped
         new -= dropped
     for name in {n for n in new if "." not in n}.union(
@@ -513,6 +514,38 @@ NOT_AHEAD = ("torch._dynamo",)
 
 def _not_ahead(name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in NOT_AHEAD)
+
+
+def _tied_to_not_ahead(after: set[str]) -> set[str]:
+    """Of ``after`` (modules a rank imported from the first ``NOT_AHEAD`` module on), those a
+    zygote must not import ahead either: the modules of that module's own top-level package
+    (``torch._functorch``, ``torch.fx``, ...), and every module of a package that refers to that
+    package (a module of it among its globals, or something defined there), which importing
+    might bring ``torch._dynamo`` with it. What is left does not touch torch (``sympy`` and
+    ``mpmath``, half a second of a DDP rank's first call): kept."""
+    roots = {p.partition(".")[0] for p in NOT_AHEAD}
+    tops = {n.partition(".")[0] for n in after} - roots
+    for name in after:
+        top = name.partition(".")[0]
+        if top in tops and _refers_to(sys.modules.get(name), roots):
+            tops.discard(top)
+    return {n for n in after if n.partition(".")[0] not in tops}
+
+
+def _refers_to(module: object, roots: set[str]) -> bool:
+    """Whether ``module`` holds a module of ``roots`` (``import torch``) or something defined
+    in one (``from torch import nn`` or ``Tensor``) among its globals."""
+    for value in list(getattr(module, "__dict__", {}).values()):
+        name: object
+        if isinstance(value, types.ModuleType):
+            name = value.__name__
+        elif isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+            name = getattr(value, "__module__", None)
+        else:
+            continue
+        if isinstance(name, str) and name.partition(".")[0] in roots:
+            return True
+    return False
 
 
 #: The most module names a rank reports after its code (``_imported_since``): a fresh rank
