@@ -19,6 +19,9 @@ import pytest
 
 import nbdist
 from nbdist.launch import local
+from nbdist.rank import host
+
+from .helpers import GONE_WITHIN_S
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.fresh_pool]
 
@@ -196,20 +199,31 @@ def test_idle_zygotes_and_interpreters_are_let_go(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.slow
-def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
-    """A driver killed with SIGKILL takes its zygote and its running ranks with it."""
+@pytest.mark.parametrize("zygote", [True, False], ids=["forked", "fresh"])
+def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path, zygote: bool) -> None:
+    """A driver killed with SIGKILL takes its zygote and its running ranks with it, and what
+    they started: also a rank stuck in C code that holds the GIL (its watch of the control
+    pipe cannot run: its zygote, or the guardian of a fresh rank, kills it), with a child in
+    its process group and one in a session of its own."""
     code = textwrap.dedent(f"""
         import os, time
         import nbdist
         from nbdist.launch import local
+        local.ZYGOTE = {zygote!r}
 
         def hang():
-            import os, time
+            import ctypes, os, subprocess, time
+            pids = [os.getpid()]
+            if os.environ["RANK"] == "1":
+                pids += [subprocess.Popen(["sleep", "600"]).pid,
+                         subprocess.Popen(["sleep", "600"], start_new_session=True).pid]
             # Written under another name, then renamed: the driver counts only whole files.
             path = {str(tmp_path)!r} + "/up" + os.environ["RANK"]
             with open(path + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
+                f.write(" ".join(map(str, pids)))
             os.rename(path + ".tmp", path)
+            if os.environ["RANK"] == "1":
+                ctypes.PyDLL(None).sleep(600)  # C code that keeps the GIL
             time.sleep(600)
 
         job = nbdist.run(hang, np=2)
@@ -222,16 +236,21 @@ def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path) -> None:
     try:
         assert driver.stdout is not None
         pids = [int(p) for p in driver.stdout.readline().split()]
-        pids += [int(p.read_text()) for p in tmp_path.glob("up*")]
-        assert len(pids) == 3  # the zygote and two ranks
+        assert len(pids) == int(zygote)
+        ranks = [int(f.read_text().split()[0]) for f in sorted(tmp_path.glob("up*"))]
+        pids += [int(p) for f in tmp_path.glob("up*") for p in f.read_text().split()]
+        if not zygote:  # each rank's parent: its guardian
+            pids += [psutil.Process(p).ppid() for p in ranks]
+        # The zygote or the guardians, two ranks, rank 1's two children.
+        assert len(set(pids)) == (5 if zygote else 6)
         procs = [psutil.Process(p) for p in pids]
     finally:
         driver.kill()
         driver.wait()
         if driver.stdout is not None:
             driver.stdout.close()
-    gone, alive = psutil.wait_procs(procs, timeout=10)
-    assert not alive
+    gone, alive = psutil.wait_procs(procs, timeout=GONE_WITHIN_S + host.ORPHANS_GRACE_S)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 @pytest.mark.slow

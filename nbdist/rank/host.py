@@ -13,8 +13,10 @@ Standard library only (psutil where it is installed): the kernel imports it too.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
 import time
@@ -124,14 +126,21 @@ def guard() -> None:
     the notebook's own processes), and not Spark's Python worker (reused for later tasks): a
     process of the rank's own. A rank forked by a zygote has the zygote as its guardian.
 
+    It also watches the process that started it, the rank's supervisor: a rank that outlives
+    it (stuck in C code that holds the GIL, its own watch cannot run) is killed, and what it
+    started with it (``_wait_unless_orphaned``).
+
     The guardian holds none of the rank's pipes (its stdout and stderr go to /dev/null), and
     ignores SIGINT, SIGTERM and SIGHUP so that a cancel reaches the rank and the guardian
     still cleans up after it; SIGKILL to the process group ends both.
     """
     if not become_subreaper():
         return  # not Linux: the rank kills what it can find when it ends, as before
+    supervisor = _pidfd(os.getppid())  # before the fork: the process that started this one
     rank = os.fork()
     if rank == 0:
+        if supervisor is not None:
+            os.close(supervisor)
         return  # the rank (the subreaper attribute is not inherited: main() sets its own)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -144,6 +153,7 @@ def guard() -> None:
             os.close(int(os.environ[name]))
         except (KeyError, ValueError, OSError):
             pass
+    _wait_unless_orphaned(rank, supervisor)
     code = os.waitstatus_to_exitcode(os.waitpid(rank, 0)[1])
     end_orphans(within=ORPHANS_GRACE_S)
     if code < 0:  # end by the same signal, without a core dump of the guardian's own
@@ -157,6 +167,38 @@ def guard() -> None:
         os.kill(os.getpid(), -code)
         code = 128 - code  # a signal whose default is not to end the process
     os._exit(code)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when process ``pid`` ends (Linux 5.3 and later)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _wait_unless_orphaned(rank: int, supervisor: int | None) -> None:
+    """Return when the rank ends, or kill it when its supervisor (this guardian's parent: the
+    kernel, a Spark task's or a Ray actor's worker) ends first.
+
+    A rank whose control pipe closes with its supervisor stops itself, but only if its watch
+    thread can run: a rank in C code that holds the GIL (a stuck extension, a ``PyDLL`` call)
+    would live on, with what it started; its result has nowhere to go. What it started then
+    comes to the guardian, which kills it (``end_orphans``)."""
+    own = _pidfd(rank)
+    if supervisor is None or own is None:
+        return  # no pidfd here: the rank's own watch is all there is
+    poller = select.poll()
+    poller.register(own, select.POLLIN)
+    poller.register(supervisor, select.POLLIN)
+    while True:
+        ready = {fd for fd, _ in poller.poll()}
+        if own in ready:
+            return
+        if supervisor in ready:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGKILL)
+            return
 
 
 #: How long a guardian waits for the orphans it killed to end (a process stuck in the kernel,

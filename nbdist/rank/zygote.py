@@ -24,8 +24,8 @@ packet (typed below: ``DriverMsg``, ``ZygoteMsg``). Driver → zygote: ``{"t": "
 more and the pool replaces it);
 ``{"t": "fork"}`` with four descriptors, answered by ``forked`` with the pid. Zygote → driver:
 ``{"t": "exit", "pid": P, "code": C}`` for each rank that ended (the zygote is their parent and
-reaps them). End of file on the socket means the driver is gone: the zygote exits, and its
-ranks, whose control pipes close with the driver, stop themselves.
+reaps them). End of file on the socket means the driver is gone: the zygote kills its ranks
+with their process groups, and what they left behind, and exits (``_driver_gone``).
 
 Linux only (fork, SCM_RIGHTS, /proc). The zygote side imports only the standard library and
 nbdist's rank runtime.
@@ -46,13 +46,15 @@ import sys
 import threading
 import time
 import traceback
-from typing import IO, Literal, TypedDict, cast
+from typing import IO, Literal, NoReturn, TypedDict, cast
 
 from nbdist.rank.fork_safety import fork_safety as fork_safety
 from nbdist.rank.fork_safety import note_import, recording_thread_starts
 from nbdist.rank.host import (
+    ORPHANS_GRACE_S,
     become_subreaper,
     changed_file,
+    end_orphans,
     environ,
     installation_dirs,
     is_installed,
@@ -387,7 +389,7 @@ def main() -> None:
             continue
         data, fds, _, _ = socket.recv_fds(sock, _PACKET, 4)
         if not data:
-            os._exit(0)  # the driver is gone
+            _driver_gone(ranks)
         msg = json.loads(data)  # a DriverMsg: the driver runs this module's code
         if msg.get("t") == "warm":
             warm = cast(WarmMsg, msg)
@@ -411,6 +413,25 @@ def main() -> None:
             for fd in fds:
                 os.close(fd)
             sock.send(_packet({"t": "forked", "pid": pid}))
+
+
+def _driver_gone(ranks: set[int]) -> NoReturn:
+    """The driver is gone (its kernel killed, say): kill the ranks with their process groups,
+    then what they left behind, and exit.
+
+    A rank whose control pipe closes with the driver stops itself, but only if its watch thread
+    can run: a rank in C code that holds the GIL (a stuck extension, a ``PyDLL`` call) would
+    live on, with whatever it started. Their results have nowhere to go. What a rank started in
+    a session of its own comes to the zygote (a child subreaper) as the rank dies, and is
+    killed with the rest of its children (``end_orphans``), as a guardian does."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])  # taken by sigtimedwait
+    for pid in ranks:  # not reaped yet: none of these pids can be another process's
+        try:
+            os.killpg(pid, signal.SIGKILL)  # each rank leads a session of its own
+        except (ProcessLookupError, PermissionError):
+            pass
+    end_orphans(within=ORPHANS_GRACE_S)
+    os._exit(0)
 
 
 def _reap(sock: socket.socket, ranks: set[int]) -> None:
