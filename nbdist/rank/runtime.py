@@ -466,7 +466,8 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
 
     Only packages of the installation (``is_installed``) qualify: the user's own modules may be
     edited before the next run, and a warm interpreter would hold the old code. Of what came
-    after the payload's imports, nothing from the first module of ``NOT_AHEAD`` on qualifies.
+    after the payload's imports from the first module of ``NOT_AHEAD`` on, only what does not
+    touch torch qualifies (``_tied_to_not_ahead``).
     """
     dirs: list[str] | None = None
     names = []
@@ -500,15 +501,15 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
     return [n for n in order if n in chosen]
 
 
-#: What a zygote never imports ahead of a rank's code when the rank imported it as its code
-#: ran, nor anything the rank imported after it (its own imports): ``torch._dynamo``, which
-#: DDP's constructor imports. Loaded before ``init_process_group``, it made the end of a
-#: common DDP function (``destroy_process_group()``, then return with the model alive) hang in
-#: torch's teardown in about one later run in five: the DDP reducer's process group is freed
-#: with the GIL held, and gloo's worker thread, freeing the last collective's work, waits for
-#: the GIL (pytorch#56297); a fresh rank, which imports it in the constructor, did not hang in
-#: 32 runs (docs/magics.md#warm-ranks-the-second-run-starts-fast). A rank whose own imports
-#: bring it gets it ahead, as a fresh interpreter does.
+#: What a zygote never imports ahead of a rank's code when the rank imported it as its code ran, nor
+#: what of torch the rank imported after it (``_tied_to_not_ahead``): ``torch._dynamo``, which DDP's
+#: constructor imports. Loaded before ``init_process_group``, it made the end of a common DDP
+#: function (``destroy_process_group()``, then return with the model alive) hang in torch's teardown
+#: in about one later run in five: the DDP reducer's process group is freed with the GIL held, and
+#: gloo's worker thread, freeing the last collective's work, waits for the GIL (pytorch#56297); a
+#: fresh rank, which imports it in the constructor, did not hang in 32 runs (docs/magics.md#warm-
+#: ranks-the-second-run-starts-fast). A rank whose own imports bring it gets it ahead, as a fresh
+#: interpreter does.
 NOT_AHEAD = ("torch._dynamo",)
 
 
