@@ -507,9 +507,9 @@ def _imported_since(before: set[str], base: set[str] | None = None) -> list[str]
 #: function (``destroy_process_group()``, then return with the model alive) hang in torch's teardown
 #: in about one later run in five: the DDP reducer's process group is freed with the GIL held, and
 #: gloo's worker thread, freeing the last collective's work, waits for the GIL (pytorch#56297); a
-#: fresh rank, which imports it in the constructor, did not hang in 32 runs (docs/magics.md#warm-
-#: ranks-the-second-run-starts-fast). A rank whose own imports bring it gets it ahead, as a fresh
-#: interpreter does.
+#: fresh rank, which imports it in the constructor, did not hang in 32 runs
+#: (docs/magics.md#warm-ranks-the-second-run-starts-fast). A rank whose own imports bring it gets it
+#: ahead, as a fresh interpreter does.
 NOT_AHEAD = ("torch._dynamo",)
 
 
