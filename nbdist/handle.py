@@ -100,8 +100,9 @@ class Handle:
         gathered them at the end (a session cell gathers its values as they come).
 
         Then ``close`` runs (the subclass closes its state, its timers: what a waiter may
-        read the moment it sees the work done), then :meth:`done` turns true, then the values
-        are counted against ``settings.history_mb`` (``retain``). False, and nothing done,
+        read the moment it sees the work done), then the values are counted against
+        ``settings.history_mb`` (``retain``: older jobs let theirs go), then :meth:`done` turns
+        true, so that a waiter finds the bound kept. False, and nothing done,
         when the outcome was set already: a job, a restarting job and a session cell may each
         be told to end from several threads (their last rank, a timeout, a cancel).
         """
@@ -120,9 +121,11 @@ class Handle:
             if close is not None:
                 close()
         finally:
-            self._done.set()
-        if self.retained_bytes():
-            retain(self)
+            try:
+                if self.retained_bytes():
+                    retain(self)
+            finally:
+                self._done.set()
         return True
 
     @property
@@ -182,8 +185,8 @@ class Handle:
         holder = self._holder()
         if holder is self:
             return self._size
-        # Nothing until the work is over: the holder's own end counts its values then.
-        return holder.retained_bytes() if self._done.is_set() else 0
+        # Nothing until the outcome is set: the holder's own end counts its values then.
+        return holder.retained_bytes() if self._settled else 0
 
     def stacks(self, timeout: float = STACKS_WAIT_S) -> Stacks:
         """Every live rank's stacks, grouped (``%dist_stacks``)."""

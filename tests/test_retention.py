@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 import nbdist
+from nbdist import handle
 from nbdist import job as jobs
 from nbdist.errors import ValuesDroppedError
 from nbdist.settings import settings
@@ -76,6 +77,30 @@ def test_a_value_within_the_budget_is_kept_and_the_newest_always(
     assert small2.result()[:1] == b"\x03"
     with pytest.raises(ValuesDroppedError):
         big.results  # noqa: B018  (the property raises)
+
+
+def test_the_bound_is_kept_by_the_time_a_waiter_sees_the_job_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The count against the budget runs before ``done()`` turns true: ``result()`` never
+    returns while an older job still holds what the newest one's end lets go (CI saw the older
+    value kept when the count ran a moment after the waiter woke)."""
+    monkeypatch.setattr(settings, "history_mb", 3_000_000 / 2**20)
+    seen_done: list[bool] = []
+    count = handle.retain
+
+    def watched(newest: handle.Handle) -> None:
+        seen_done.append(newest.done())
+        count(newest)
+
+    monkeypatch.setattr(handle, "retain", watched)
+    small = nbdist.run(_big, 2_000_000, 1, np=1, backend="local")
+    assert len(small.result()) == 2_000_000
+    big = nbdist.run(_big, 2_000_000, 2, np=1, backend="local")
+    assert big.result()[:1] == b"\x02"
+    with pytest.raises(ValuesDroppedError):
+        small.result()
+    assert seen_done == [False, False]  # each job's count ran before its waiter could wake
 
 
 def test_a_session_cell_s_values_are_bounded_too(
