@@ -254,6 +254,52 @@ def test_zygote_and_ranks_die_with_the_driver(tmp_path: Path, zygote: bool) -> N
 
 
 @pytest.mark.slow
+def test_a_zygote_in_the_middle_of_a_low_priority_import_dies_with_the_driver(
+    tmp_path: Path,
+) -> None:
+    """A driver killed while its zygote imports ahead at low priority (``%load_ext``'s
+    warm-up; one import can take minutes on a loaded host) takes the zygote along at once,
+    not when the import ends."""
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    importing = tmp_path / "importing"
+    (site / "nbdist_slow_import_local.py").write_text(textwrap.dedent(f"""
+        import sys, time
+        if any("nbdist.rank.zygote" in arg for arg in sys.orig_argv):  # the zygote only
+            open({str(importing)!r}, "w").close()
+            time.sleep(600)
+    """))
+    code = textwrap.dedent(f"""
+        import os, threading, time
+        from nbdist.launch import local
+        threading.Thread(target=local.pool.preload, args=(("nbdist_slow_import_local",),),
+                         daemon=True).start()
+        while not os.path.exists({str(importing)!r}):
+            time.sleep(0.01)
+        print(" ".join(map(str, local.pool.pids())), flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(site), os.environ.get("PYTHONPATH")]))}
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        assert driver.stdout is not None
+        (zygote,) = [psutil.Process(int(p)) for p in driver.stdout.readline().split()]
+    finally:
+        driver.kill()
+        driver.wait()
+        if driver.stdout is not None:
+            driver.stdout.close()
+    try:
+        gone, alive = psutil.wait_procs([zygote], timeout=60)
+        assert not alive, "the zygote waited for its import to end"
+    finally:
+        if zygote.is_running():
+            zygote.kill()
+
+
+@pytest.mark.slow
 def test_an_install_between_runs_gets_a_new_zygote(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

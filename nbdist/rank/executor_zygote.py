@@ -55,6 +55,7 @@ import hmac
 import json
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -644,14 +645,14 @@ class _Server:
         if new:
             since = time.time_ns()
             if until is None:
-                import_modules(new, nice)
+                import_modules(new, nice, check=self._exit_if_gone)
             else:
                 for i, name in enumerate(new):
                     if until():  # the rest first, next time
                         self.later = {**dict.fromkeys(new[i:]), **self.later}
                         break
                     if name not in sys.modules:  # or a package imported before brought it
-                        import_modules([name], nice)
+                        import_modules([name], nice, check=self._exit_if_gone)
             self.files.update(module_files(self.files, since))
         self.safe, self.why = fork_safety()
         return self.safe, self.why, False
@@ -697,6 +698,15 @@ class _Server:
             self._run_deferred()
             if later and not events:
                 self._warm_later()
+
+    def _exit_if_gone(self) -> None:
+        """Go now if the executor ended: called while an import at ``LOW_NICE`` runs, which
+        on a loaded host can take minutes (the application's end must take its zygotes)."""
+        watch = select.poll()
+        for fd in self.pidfds:
+            watch.register(fd, select.POLLIN)  # readable once its process ended
+        if watch.poll(0):
+            self._exit()
 
     def _warm_later(self) -> None:
         """Import ``later`` at ``LOW_NICE``, in the order the ranks imported them (the first

@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import IO, Literal, NoReturn, TypedDict, cast
 
 from nbdist.rank.fork_safety import fork_safety as fork_safety
@@ -67,6 +68,8 @@ from nbdist.rank.supervisor import RankProcess, new_sync_marker
 COMMAND = "from nbdist.rank.zygote import main; main()"
 #: How long a fork may take before the rank is started fresh instead (it takes milliseconds).
 FORK_TIMEOUT_S = 10.0
+#: How often a zygote waiting for an import at low priority checks that its owner is there.
+CHECK_S = 0.5
 _PACKET = 1 << 16
 
 
@@ -396,7 +399,9 @@ def main() -> None:
             changed = changed_file(files)
             if changed is None:
                 since = time.time_ns()
-                imported = import_modules(warm.get("modules", []), int(warm.get("nice") or 0))
+                imported = import_modules(warm.get("modules", []), int(warm.get("nice") or 0),
+                                          check=lambda: _driver_gone(ranks) if _eof(sock)
+                                          else None)
                 files.update(module_files(files, since))
                 safe, why = fork_safety()
             else:  # no more imports nor forks: the pool replaces it
@@ -413,6 +418,16 @@ def main() -> None:
             for fd in fds:
                 os.close(fd)
             sock.send(_packet({"t": "forked", "pid": pid}))
+
+
+def _eof(sock: socket.socket) -> bool:
+    """True once the driver closed its end (the packets it sent before stay unread)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _driver_gone(ranks: set[int]) -> NoReturn:
@@ -458,14 +473,17 @@ def _installed(name: str, dirs: list[str]) -> bool:
     return bool(paths) and all(is_installed(p, dirs) for p in paths)
 
 
-def import_modules(modules: list[str], nice: int = 0) -> list[str]:
+def import_modules(modules: list[str], nice: int = 0,
+                   check: Callable[[], None] | None = None) -> list[str]:
     """Import the installed ones of ``modules``; those imported.
 
     With ``nice`` > 0, in a thread of its own at that nice value, joined before returning. On
     Linux the nice value is a thread's, and a fork inherits the forking thread's: the ranks,
     forked later by the main thread, keep the kernel's priority. (Lowering the nice value back
     would need CAP_SYS_NICE, so the main thread never raises its own.) The thread is gone
-    before ``fork_safety`` counts threads.
+    before ``fork_safety`` counts threads. Meanwhile ``check`` is called every
+    ``CHECK_S``: one import at nice 19 on a loaded host can take minutes, and a zygote whose
+    owner ended (``check`` exits then) must not wait for it.
     """
     if nice <= 0:
         return _import(modules)
@@ -480,7 +498,10 @@ def import_modules(modules: list[str], nice: int = 0) -> list[str]:
 
     worker = threading.Thread(target=low, name="nbdist-zygote-import")
     worker.start()
-    worker.join()
+    while worker.is_alive():
+        worker.join(CHECK_S)
+        if check is not None:
+            check()
     return done
 
 

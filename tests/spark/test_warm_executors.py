@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +331,7 @@ def _executor_jvms(mark: str) -> list[psutil.Process]:
     return found
 
 
-def _none_within(find: Any, what: str, within: float = 30.0) -> None:
+def _none_within(find: Any, what: str, within: float = 120.0) -> None:
     wait_for(lambda: not find(), within, what)
 
 
@@ -351,6 +352,41 @@ def test_stopping_the_session_leaves_no_zygote_on_any_worker(
     sparks.stop_session()
     _none_within(lambda: zygotes(spark_mark) + marked_rank_processes(spark_mark),
                  "nbdist processes left after the session stopped")
+
+
+def _imports_slowly() -> int:
+    import nbdist_slow_import_spark  # type: ignore[import-not-found]  # noqa: F401
+
+    return 1
+
+
+def test_the_applications_end_takes_a_zygote_in_the_middle_of_an_import(
+    sparks: Sparks, spark_mark: str, tmp_path: Path,
+) -> None:
+    """Stop the session while the executor's zygote imports, at nice 19, what the first rank
+    reported (an import that takes minutes on a loaded host; CI saw a zygote outlive its
+    application by more than 30 s): the zygote goes at once, not when the import ends."""
+    site, env = installed_here(tmp_path)
+    importing = tmp_path / "importing"
+    (site / "nbdist_slow_import_spark.py").write_text(textwrap.dedent(f"""
+        import sys, time
+        if any("executor_zygote" in arg for arg in sys.orig_argv):  # the zygote's, not a rank's
+            open({str(importing)!r}, "w").close()
+            time.sleep(600)
+    """))
+    fresh_application(sparks, spark_mark, "local")
+    _fresh.discard("local")  # the next test's gets an application of its own
+    try:
+        assert nbdist.run(_imports_slowly, np=1, backend="spark", env=env).results == [1]
+        wait_for(importing.exists, 120, "the executor's zygote to import the module")
+        (zygote,) = zygotes(spark_mark)
+        sparks.stop_session()
+        wait_for(lambda: not zygote.is_running() or zygote.status() == psutil.STATUS_ZOMBIE,
+                 60, "the zygote to go with its application, in the middle of its import")
+    finally:
+        sparks.stop_session()
+        for left in zygotes(spark_mark):
+            left.kill()
 
 
 def _sleeper(ready: str) -> Any:
