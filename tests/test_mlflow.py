@@ -3,6 +3,7 @@ reported metrics into it; with the real ``mlflow`` (``mlflow-skinny``) and a fol
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,14 +12,25 @@ import pytest
 
 import nbdist
 
-mlflow = pytest.importorskip("mlflow")
+# Not a module-level `import mlflow`: the ranks import this module for the functions they run
+# (2.8 CPU-seconds of mlflow's import each, where the function does not use it).
+if importlib.util.find_spec("mlflow") is None:
+    pytest.skip("needs mlflow (pip install nbdist[mlflow])", allow_module_level=True)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def _mlflow() -> Any:
+    import mlflow
+
+    return mlflow
 
 
 @pytest.fixture
 def notebook_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """An active MLflow run in a folder store under ``tmp_path``, ended after the test."""
+    mlflow = _mlflow()
+
     # MLflow 3 refuses a folder store unless asked; mlflow-skinny has no sqlite store.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
@@ -44,6 +56,8 @@ def _log_on_rank_0() -> dict[str, str]:
 def test_rank_0_logs_into_the_notebooks_active_run(notebook_run: Any) -> None:
     """The ranks get the run's MLFLOW_* variables; mlflow.log_metric on rank 0 lands in it,
     and the run stays the notebook's, running."""
+    mlflow = _mlflow()
+
     job = nbdist.run(_log_on_rank_0, np=2, backend="local")
     job.result(timeout=150)
     envs = job.results
@@ -73,6 +87,8 @@ def _autolog_on_rank_0() -> None:
 def test_autolog_on_rank_0_logs_into_the_notebooks_run(notebook_run: Any) -> None:
     """mlflow.autolog() on rank 0 records a scikit-learn fit's parameters in the notebook's
     run."""
+    mlflow = _mlflow()
+
     nbdist.run(_autolog_on_rank_0, np=2, backend="local").result(timeout=150)
     params = mlflow.get_run(notebook_run.info.run_id).data.params
     assert params.get("fit_intercept") == "False"
@@ -91,6 +107,8 @@ def _report(n: int) -> None:
 def test_mlflow_option_logs_rank_0s_reports_with_their_steps(notebook_run: Any) -> None:
     """With mlflow=True the driver logs what rank 0 reports, each value at its step, by the
     time the job's result is there."""
+    mlflow = _mlflow()
+
     nbdist.run(_report, 4, np=2, backend="local", mlflow=True).result(timeout=150)
     history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "loss")
     steps = [m.step for m in history]
@@ -102,6 +120,8 @@ def test_mlflow_option_logs_rank_0s_reports_with_their_steps(notebook_run: Any) 
 def test_mlflow_option_without_an_active_run_says_how_to_start_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """mlflow=True with no active run is refused before launch, naming mlflow.start_run()."""
+    mlflow = _mlflow()
+
     assert mlflow.active_run() is None
     with pytest.raises(ValueError, match=r"no active MLflow run: .*mlflow.start_run\(\)"):
         nbdist.run(_report, 1, np=2, backend="local", mlflow=True)
@@ -109,6 +129,8 @@ def test_mlflow_option_without_an_active_run_says_how_to_start_one(
 
 def test_magic_mlflow_option_logs_rank_0s_reports(ip: Any, notebook_run: Any) -> None:
     """%%distributed --mlflow logs rank 0's reports into the notebook's run."""
+    mlflow = _mlflow()
+
     ip.run_cell_magic("distributed", "-np 2 --mlflow --quiet",
                       "import nbdist\nnbdist.report(acc=0.5, step=2)\n")
     history = mlflow.MlflowClient().get_metric_history(notebook_run.info.run_id, "acc")
@@ -144,6 +166,8 @@ def test_mlflow_option_logs_every_attempt_of_a_job_that_restarts(
     """With max_restarts, rank 0's reports of every attempt land in the notebook's run (the
     restart starts from a thread of nbdist's own, where MLflow's active run is not set), and
     the restarted ranks keep the run's MLFLOW_* variables."""
+    mlflow = _mlflow()
+
     job = nbdist.run(_report_then_die_once, str(tmp_path / "reported"), np=2, backend="local",
                      mlflow=True, max_restarts=1)
     job.result(timeout=150)

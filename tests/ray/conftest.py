@@ -17,7 +17,9 @@ Ray settings, never the cluster.
 
 from __future__ import annotations
 
+import functools
 import glob
+import importlib.util
 import os
 import socket
 import tempfile
@@ -35,7 +37,12 @@ from nbdist.launch import ray as ray_backend
 from ..helpers import none_left, rank_processes, wait_for
 from ..sparks import marked_rank_processes
 
-ray = pytest.importorskip("ray")
+# Not `pytest.importorskip("ray")`: a rank imports this module too, with the test module whose
+# function it runs, and `import ray` cost it 4 CPU-seconds there (jsonschema's IRI grammar,
+# built at import), up to 14 when the build crossed a data-stack chunk boundary of Python 3.11
+# (gh-142183: an mmap and a munmap per call). The tests import it where they use it.
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("needs ray (pip install nbdist[ray])", allow_module_level=True)
 
 # The tests' clusters are this run's own, on loopback and network namespaces: no token
 # authentication. Left unset, Ray 2.60 turns it on for every `ray start` once a token file
@@ -43,11 +50,18 @@ ray = pytest.importorskip("ray")
 # test's driver, started without it, was refused by its head's GCS (InvalidAuthToken).
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
-#: The head's address: this machine's, as Ray finds it. Ray connects to 127.0.0.1 through that
-#: address (``resolve_ip_for_localhost``), so a head on 127.0.0.1 cannot be reached.
-HEAD_IP = str(ray.util.get_node_ip_address())
-#: The nodes: (address, CPUs, GPUs); the second on a loopback address of its own.
-NODES = ((HEAD_IP, 4, 2), ("127.0.0.2" if HEAD_IP != "127.0.0.2" else "127.0.0.3", 4, 2))
+
+
+@functools.cache
+def nodes() -> tuple[tuple[str, int, int], ...]:
+    """The nodes: (address, CPUs, GPUs). The head on this machine's address, as Ray finds it:
+    Ray connects to 127.0.0.1 through that address (``resolve_ip_for_localhost``), so a head on
+    127.0.0.1 cannot be reached; the second on a loopback address of its own."""
+    import ray
+
+    head = str(ray.util.get_node_ip_address())
+    return ((head, 4, 2), ("127.0.0.2" if head != "127.0.0.2" else "127.0.0.3", 4, 2))
+
 #: How long the two nodes may take to start and register (measured: 20-40 s on a loaded
 #: 2-core machine); past it every Ray test fails, none hangs.
 START_DEADLINE_S = 240.0
@@ -125,9 +139,10 @@ def start_cluster(started: list[Any]) -> None:
     """Start the two nodes and connect this process as the driver, each wait bounded by
     ``START_DEADLINE_S`` (the test's own timeout bounds the whole); what was made goes into
     ``started`` at once, so that a start that fails is torn down."""
+    import ray
     from ray.cluster_utils import Cluster
 
-    (head_ip, head_cpus, head_gpus), (ip, cpus, gpus) = NODES
+    (head_ip, head_cpus, head_gpus), (ip, cpus, gpus) = nodes()
     cluster = Cluster(initialize_head=False)
     started.append(cluster)
     # Ray's own wait for a node is 30 s: too short on a loaded machine; ours instead.
@@ -141,6 +156,8 @@ def start_cluster(started: list[Any]) -> None:
 
 
 def stop_cluster(started: list[Any]) -> None:
+    import ray
+
     ray_backend.shutdown()
     ray.shutdown()
     for cluster in started:
@@ -220,6 +237,8 @@ def no_leftover_ray() -> Iterator[None]:
     """After each Ray test: no rank (also none forked from a node's zygote, which is not this
     process's descendant), no nbdist actor and no nbdist placement group is left (10 s). Ray's
     own processes (raylets, idle workers) and the nodes' idle zygotes rightly outlive a test."""
+    import ray
+
     yield
     none_left(rank_processes)
     none_left(ray_ranks, what="rank processes of the Ray cluster left running after the test")

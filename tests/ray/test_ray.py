@@ -17,7 +17,7 @@ from nbdist.errors import CapacityError, DistributedError
 from nbdist.launch import ray as ray_backend
 
 from ..helpers import Gate, run, wait_for
-from .conftest import NODES, groups_left
+from .conftest import groups_left, nodes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -44,7 +44,7 @@ def test_ranks_are_placed_over_both_nodes_with_their_gpus(on_ray: Any) -> None:
     results = job.results
     assert job.launcher.name == "ray" and job.gpu
     hosts = [job.state.ranks[r].host for r in range(4)]
-    assert set(hosts) == {ip for ip, _, _ in NODES}
+    assert set(hosts) == {ip for ip, _, _ in nodes()}
     assert hosts[0] == hosts[1] and hosts[2] == hosts[3]  # PACK: a node's ranks together
     assert [r["sum"] for r in results] == ["4"] * 4
     assert [r["LOCAL_RANK"] for r in results] == ["0", "1", "0", "1"]
@@ -74,7 +74,7 @@ def test_too_many_ranks_are_refused_at_once_naming_the_nodes(on_ray: Any) -> Non
     """6 GPU ranks on 4 logical GPUs fail before any group is made, naming the nodes and
     --no-gpu; 3 bundles STRICT_SPREAD over 2 nodes too."""
     with pytest.raises(CapacityError, match=r"asked for 6 ranks with one GPU each.*"
-                       rf"{NODES[1][0]}.*--no-gpu") as caught:
+                       rf"{nodes()[1][0]}.*--no-gpu") as caught:
         nbdist.run(os.getpid, np=6, backend="ray")
     assert "can hold only 4 such bundles" in str(caught.value)
     ray_backend.settings.strategy = "STRICT_SPREAD"
@@ -225,7 +225,7 @@ def test_a_node_lost_during_a_job_restarts_it_once_the_cluster_can_place_it(
     from .conftest import node_args, registered
 
     ray_backend.settings.strategy = "STRICT_SPREAD"
-    ip = NODES[1][0]
+    ip = nodes()[1][0]
     job = nbdist.run(_attempt(str(tmp_path / "ready")), np=2, backend="ray", gpu=False,
                      max_restarts=1, capacity_wait=400)
     back = None
@@ -235,12 +235,12 @@ def test_a_node_lost_during_a_job_restarts_it_once_the_cluster_can_place_it(
         on_ray.remove_node(node)
         wait_for(lambda: "waiting for" in (job.state.note or ""), 180,
                  "the restart to wait for a second node")
-        back = on_ray.add_node(wait=False, **node_args(*NODES[1]))
+        back = on_ray.add_node(wait=False, **node_args(*nodes()[1]))
         registered(on_ray.address, back)
         assert job.result(timeout=300) == "1"
     finally:
         if back is None:  # the next tests need both nodes
-            registered(on_ray.address, on_ray.add_node(wait=False, **node_args(*NODES[1])))
+            registered(on_ray.address, on_ray.add_node(wait=False, **node_args(*nodes()[1])))
     first = job.attempts[0]
     assert ip in first.cause and "lost" in first.cause, first.cause
     assert first.verdict == "restarted (rule 'lost host')", first.verdict
