@@ -5,18 +5,28 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
-def execute(name: str) -> list[str]:
-    """Run a notebook; return each code cell's outputs as one text."""
+def run_notebook(name: str) -> Any:
+    """Run a notebook in a real kernel; the notebook with its outputs. nbformat and nbclient
+    are imported here, not with the module: their jsonschema builds an IRI grammar at import
+    (3 CPU-seconds, jsonschema#1428), which every xdist worker paid to collect this file."""
+    import nbformat
+    from nbclient import NotebookClient
+
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    return nb
+
+
+def execute(name: str) -> list[str]:
+    """Run a notebook; return each code cell's outputs as one text."""
+    nb = run_notebook(name)
     texts = []
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -123,8 +133,7 @@ def test_data_notebook_trains_from_a_spark_dataframe() -> None:
 def test_figures_notebook_shows_rank_zeros_figure() -> None:
     """The figures notebook shows rank 0's Markdown and matplotlib figure below the panel."""
     pytest.importorskip("matplotlib")
-    nb = nbformat.read(NOTEBOOKS / "06-figures.ipynb", as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    nb = run_notebook("06-figures.ipynb")
     draw = [c for c in nb.cells if c.cell_type == "code"][1]
     shown = [o for o in draw.outputs if o.output_type == "display_data"
              and o.get("metadata", {}).get("nbdist", {}).get("rank") == 0]
