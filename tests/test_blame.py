@@ -158,3 +158,30 @@ def test_a_local_job_names_the_rank_that_raised_not_its_peers() -> None:
             assert blame.peer_lost(peer), peer.error
             assert peer.ended is not None and peer.ended >= raised_at, (peer.ended, raised_at)
     wait_for(lambda: not rank_processes(), 30, "no rank process left")
+
+
+class SlowToSay(Exception):
+    """An exception whose message takes a second to format: the rank sends it that long
+    after its code ended."""
+
+    def __str__(self) -> str:
+        import time
+
+        time.sleep(1.0)
+        return "slow to say"
+
+
+def raises_slow_to_say() -> None:
+    raise SlowToSay()
+
+
+def test_a_rank_ended_when_its_code_ended_not_when_its_supervisor_read_the_error() -> None:
+    """``ended`` is the rank's own stamp of its code's end: two ranks' supervisors read their
+    frames in either order, and a peer that lost the cause was once read first (by 0.1 ms)."""
+    job = nbdist.run(raises_slow_to_say, np=1, backend="local")
+    with pytest.raises(nbdist.DistributedError, match="slow to say"):
+        job.result(timeout=120)
+    marks = job.state.ranks[0].marks
+    assert job._outcomes[0].ended == marks["end"], (job._outcomes[0].ended, marks)
+    assert marks["result"] - marks["end"] >= 0.9, marks  # the error came a second later
+    wait_for(lambda: not rank_processes(), 30, "no rank process left")
