@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,32 +51,36 @@ class Zygote:
             return False
 
 
-def start(directory: str, idle_s: float = 600) -> Zygote:
-    """An executor zygote listening in ``directory``, as a task would start it."""
+def start(directory: str, idle_s: float = 600, later: list[str] | None = None,
+          env: dict[str, str] | None = None, pid: Callable[[], int] | None = None) -> Zygote:
+    """An executor zygote listening in ``directory``, as a task would start it (``later``:
+    what a first rank reported it imported, for the zygote to import at nice 19). Its pid is
+    asked of the socket (``SO_PEERCRED``), or of ``pid`` where the zygote does not answer yet."""
     path = os.path.join(directory, "z-test.sock")  # short: a socket's path has 108 bytes
     secret = secrets.token_hex(32)
     lock_fd = os.open(path[:-5] + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held for its life, as a task does
     config: executor_zygote.ExecutorConfig = {
-        "path": path, "secret": secret, "idle_s": idle_s, "modules": [], "nice": 0, "later": [],
-        "watch": [os.getpid()], "lock_fd": lock_fd, "t0": time.time_ns(),
+        "path": path, "secret": secret, "idle_s": idle_s, "modules": [], "nice": 0,
+        "watch": [os.getpid()], "lock_fd": lock_fd, "t0": time.time_ns(), "later": later or [],
     }
     stderr = Path(directory, "stderr")
     with open(stderr, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-c", executor_zygote.COMMAND],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
-                                pass_fds=(lock_fd,), start_new_session=True)
+                                pass_fds=(lock_fd,), start_new_session=True, env=env)
     os.close(lock_fd)
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(config).encode())
     proc.stdin.close()
     proc.wait(60)  # it forks the zygote and exits
     wait_for(lambda: os.path.exists(path), 60, "the zygote's socket")
-    sock, _ = hostile.zygote_greet(path)
-    with sock:
-        pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                  struct.calcsize("3i")))[0]
-    return Zygote(path, secret, psutil.Process(pid), stderr)
+    if pid is None:
+        sock, _ = hostile.zygote_greet(path)
+        with sock:
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))[0]
+    return Zygote(path, secret, psutil.Process(pid() if callable(pid) else pid), stderr)
 
 
 @pytest.fixture
@@ -202,6 +206,67 @@ def test_strangers_that_never_say_hello_do_not_keep_an_idle_zygote(zygote_dir: s
         if z.alive():
             z.proc.terminate()
     assert not os.path.exists(z.path), "the zygote left its socket behind"
+
+
+def test_strangers_who_connect_during_a_low_priority_import_wait_then_are_refused(
+        zygote_dir: str, tmp_path: Path) -> None:
+    """While the zygote imports at nice 19 what a first rank reported (minutes on a loaded
+    host), nothing is read from anyone: a stranger's garbage and a fork with descriptors
+    before any hello wait, unanswered, until the import ends; then each is closed and counted,
+    every descriptor given is closed, the rest of the imports still happen (strangers cannot
+    stop the warm-up for good) and a task still gets its rank (HARDENING rules 5 and 6)."""
+    site = tmp_path / "site-packages"  # what counts as installed (test_warm_pool.py)
+    site.mkdir()
+    importing, release, second = (tmp_path / n for n in ("importing", "release", "second"))
+    (site / "nbdist_slow_later.py").write_text(
+        "import os, time\n"
+        f"with open({str(importing)!r} + '.tmp', 'w') as f:\n"
+        "    f.write(str(os.getpid()))\n"
+        f"os.rename({str(importing)!r} + '.tmp', {str(importing)!r})\n"
+        "deadline = time.monotonic() + 120\n"
+        f"while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n")
+    (site / "nbdist_after_slow.py").write_text(f"open({str(second)!r}, 'w').close()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    def importer() -> int:  # the zygote, which answers no one while it imports
+        wait_for(importing.exists, 60, "the zygote to start its low-priority import")
+        return int(importing.read_text())
+
+    z = start(zygote_dir, later=["nbdist_slow_later", "nbdist_after_slow"], env=env,
+              pid=importer)
+    try:
+        cases = [(b"[" * 5000, 0), (b"\xff\xfe not UTF-8", 0),
+                 (b'{"t":"fork","sync":"x","job":"j","rank":0,"after_rank0":false}', 4)]
+        queued = []
+        for payload, n in cases:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(60)
+            sock.connect(z.path)  # into the listen queue: nothing accepts during the import
+            pipes = [os.pipe() for _ in range(n)]
+            socket.send_fds(sock, [payload], [w for _, w in pipes])
+            for _, w in pipes:
+                os.close(w)
+            queued.append((sock, [r for r, _ in pipes]))
+        assert not second.exists()
+        assert not any(select.select([s], [], [], 0)[0] for s, _ in queued), \
+            "the zygote answered a connection in the middle of its import"
+        release.touch()
+        for sock, reads in queued:
+            with sock:
+                assert hostile.closed_on_us(sock), "a stranger's connection was kept"
+            for r in reads:  # the descriptors it was given are closed: end of file here
+                assert select.select([r], [], [], 30)[0] and os.read(r, 1) == b""
+                os.close(r)
+        wait_for(second.exists, 60, "the zygote to import the rest after the strangers")
+        assert z.alive(), z.stderr.read_text()
+        assert hostile.zygote_rejected(z.path, z.secret) == len(cases)
+        fork_a_rank(z)
+    finally:
+        release.touch()
+        if z.alive():
+            z.proc.terminate()
+            z.proc.wait(30)
 
 
 def test_a_zygote_serves_workers_whose_volatile_variables_differ_and_each_rank_gets_its_own(
