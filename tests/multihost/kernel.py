@@ -74,8 +74,10 @@ class Kernel:
         return int(provisioner.process.pid)
 
     def start(self, code: str) -> str:
-        """Send a cell; returns its message id (see :meth:`collect`)."""
-        return str(self.kc.execute(code))
+        """Send a cell; returns its message id (see :meth:`collect`). With
+        ``stop_on_error=False``: a test sends its next cell as soon as one failed, and
+        ipykernel aborts the requests that arrive while it handles a cell's error."""
+        return str(self.kc.execute(code, stop_on_error=False))
 
     def collect(
         self, msg_id: str, timeout: float = 120,
