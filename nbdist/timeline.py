@@ -115,6 +115,13 @@ def phases(rank: int, marks: Mapping[str, float]) -> list[Phase]:
         # hears the fork's pid and stamps ``spawned``: the fork is when the interpreter was
         # obtained. (A warm interpreter, ready before the rendezvous, keeps its order.)
         marks = {**marks, SPAWNED: ready}
+    for before, after in ((OUTPUT, END), (RESULT, EXIT)):
+        # The rank printed before its code ended and sent its value before it exited, but the
+        # supervisor stamps what it reads when it reads it, in threads of their own: a batch
+        # of output emitted after the rank's own end stamp, or the process seen gone before
+        # its value was read (a fresh clone on a fast machine saw "exit" before "result").
+        if before in marks and after in marks and marks[before] > marks[after]:
+            marks = {**marks, before: marks[after]}
     host = sorted(((t, _ORDER[m], m) for m, t in marks.items()
                    if m not in (SUBMITTED, DELIVERED)))
     seq = [(t, m) for t, _, m in host]

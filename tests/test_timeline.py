@@ -54,6 +54,22 @@ def in_order(names: list[str], wanted: list[str]) -> bool:
 
 
 @pytest.mark.timeout(10)
+def test_what_the_supervisor_read_late_stays_before_what_it_caused() -> None:
+    """A result read after the rank's exit was seen, and a first output emitted after the
+    rank's own end stamp, keep their causal place, as zero-length phases."""
+    marks = {"submitted": 100.0, "scheduled": 100.5, "world": 101.0, "spawned": 101.1,
+             "ready": 101.2, "imports": 101.3, "end": 102.0, "output": 102.05,
+             "exit": 102.2, "result": 102.25, "delivered": 102.3}
+    ps = timeline.phases(0, marks)
+    assert [p.name for p in ps] == ["schedule", "rendezvous", "spawn", "interpreter", "imports",
+                                    "first output", "cell", "result", "exit", "deliver"]
+    assert all(p.duration >= 0 for p in ps)
+    by_name = {p.name: p for p in ps}
+    assert by_name["cell"].duration == 0 and by_name["exit"].duration == 0
+    assert by_name["first output"].end == 102.0 and by_name["result"].end == 102.2
+
+
+@pytest.mark.timeout(10)
 def test_phases_follow_the_marks_in_time_order_and_skew_never_makes_one_negative() -> None:
     """A warm interpreter ready before the rendezvous comes first, and a driver clock behind
     the rank's host gives a zero-length phase, not a negative one."""
