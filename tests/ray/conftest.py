@@ -17,6 +17,7 @@ Ray settings, never the cluster.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.util
@@ -81,20 +82,25 @@ def ray_ranks() -> list[psutil.Process]:
     return marked_rank_processes(RUN_MARK, MARK)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free now, all different: each socket stays bound until all are chosen (one
+    at a time, the system gave the same port twice: Ray refused the node's ports)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def node_args(ip: str, cpus: int, gpus: int) -> dict[str, Any]:
     """One node's arguments. The agents' ports are given, not chosen by the agents: the
     raylet then does not wait for the dashboard agent to write its port file (Ray aborts the
     raylet when that takes over its fixed wait, which a loaded machine exceeds)."""
+    agent, export, listen, runtime_env = free_ports(4)
     return {"num_cpus": cpus, "num_gpus": gpus, "node_ip_address": ip,
-            "include_log_monitor": False, "metrics_agent_port": free_port(),
-            "metrics_export_port": free_port(), "dashboard_agent_listen_port": free_port(),
-            "runtime_env_agent_port": free_port()}
+            "include_log_monitor": False, "metrics_agent_port": agent,
+            "metrics_export_port": export, "dashboard_agent_listen_port": listen,
+            "runtime_env_agent_port": runtime_env}
 
 
 def ray_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
