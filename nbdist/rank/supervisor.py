@@ -630,11 +630,13 @@ class Supervisor:
             spec.rank, RankStatus.FAILED, result=self._result, error=self._error, exit_code=code,
             pid=proc.pid, tail=list(self._tail), result_type=self._result_type,
             peak_rss=self._sampler.peak_rss if self._sampler is not None else None,
-            # The rank's own stamp of its code's end first: the supervisors of two ranks
-            # may read their frames in either order (a peer that lost this rank read its
-            # error 0.1 ms before this rank's supervisor read the cause).
-            ended=self.marks.get(timeline.END, self.marks.get(
-                timeline.RESULT, self.marks.get(timeline.EXIT))),
+            # A job's rank: its own stamp of its code's end, the supervisors of two ranks
+            # reading their frames in either order (a peer that lost this rank read its error
+            # 0.1 ms before this rank's supervisor read the cause). A session's rank (no
+            # ``result`` mark: its cells end on the channel, ``end`` is its first cell's):
+            # its exit.
+            ended=(self.marks.get(timeline.END, self.marks[timeline.RESULT])
+                   if timeline.RESULT in self.marks else self.marks.get(timeline.EXIT)),
         )
         stopped = self._stopped_alive
         if code == -signal.SIGKILL and self._result is None and not stopped:
