@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import nbdist
@@ -185,3 +187,24 @@ def test_a_rank_ended_when_its_code_ended_not_when_its_supervisor_read_the_error
     assert job._outcomes[0].ended == marks["end"], (job._outcomes[0].ended, marks)
     assert marks["result"] - marks["end"] >= 0.9, marks  # the error came a second later
     wait_for(lambda: not rank_processes(), 30, "no rank process left")
+
+
+def test_a_session_rank_ended_when_it_exited_not_at_its_first_cells_end() -> None:
+    """A session's rank stamps ``end`` at its first cell only, and its cells end on the
+    channel (no ``result`` mark): its outcome's ``ended`` is when it exited."""
+    from nbdist import session as sessions
+    from nbdist.capture import capture_cell
+    from nbdist.options import JobOptions
+
+    live = sessions.start(1, JobOptions(backend="local"))
+    try:
+        captured = capture_cell("1 + 1", {}, remote_names=live.defined_names())
+        assert live.run_cell(captured.payload()).result(timeout=120) == 2
+        first_end = live.job.state.ranks[0].marks["end"]
+        wait_for(lambda: time.time() > first_end + 1.0, 30, "a second after the cell")
+    finally:
+        live.stop()
+    assert live.job.wait(120)
+    marks = live.job.state.ranks[0].marks
+    ended = live.job._outcomes[0].ended
+    assert ended == marks["exit"] and ended > first_end + 1.0, (ended, marks)
