@@ -288,10 +288,10 @@ class RankOutcome:
     peak_rss: int | None = None
     #: Evidence that the kernel's out-of-memory killer killed the rank (``rank.death``).
     oom: str | None = None
-    #: When the rank ended (``time.time()`` on its host): when its code ended, as the rank
-    #: stamped it before it sent its value or exception (``timeline.END``), else when its
-    #: supervisor got its exception, else saw its process exit. Tells which of two failures
-    #: came first when the driver heard neither (``nbdist.blame``).
+    #: When the rank ended (``time.time()`` on its host): a job's rank, when its code ended,
+    #: as the rank stamped it before it sent its value or exception (``timeline.END``); a
+    #: session's rank, or one that sent nothing, when its supervisor saw its process exit.
+    #: Tells which of two failures came first when the driver heard neither (``nbdist.blame``).
     ended: float | None = None
 
     def fields(self) -> dict[str, Any]:

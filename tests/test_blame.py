@@ -167,8 +167,6 @@ class SlowToSay(Exception):
     after its code ended."""
 
     def __str__(self) -> str:
-        import time
-
         time.sleep(1.0)
         return "slow to say"
 

@@ -75,12 +75,13 @@ def start(directory: str, idle_s: float = 600, later: list[str] | None = None,
     proc.stdin.close()
     proc.wait(60)  # it forks the zygote and exits
     wait_for(lambda: os.path.exists(path), 60, "the zygote's socket")
-    if pid is None:
-        sock, _ = hostile.zygote_greet(path)
-        with sock:
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                      struct.calcsize("3i")))[0]
-    return Zygote(path, secret, psutil.Process(pid() if callable(pid) else pid), stderr)
+    if pid is not None:
+        return Zygote(path, secret, psutil.Process(pid()), stderr)
+    sock, _ = hostile.zygote_greet(path)
+    with sock:
+        peer = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                   struct.calcsize("3i")))[0]
+    return Zygote(path, secret, psutil.Process(peer), stderr)
 
 
 @pytest.fixture
@@ -229,6 +230,7 @@ def test_strangers_who_connect_during_a_low_priority_import_wait_then_are_refuse
     (site / "nbdist_after_slow.py").write_text(f"open({str(second)!r}, 'w').close()\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
     def importer() -> int:  # the zygote, which answers no one while it imports
         wait_for(importing.exists, 60, "the zygote to start its low-priority import")
         return int(importing.read_text())
